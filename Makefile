@@ -1,0 +1,34 @@
+# Two commands on a fresh machine with Python >= 3.10 and make:
+#   make demo    run 2 ranks, trace them, write plots to runs/
+#   make test    every test (unit, multi-process, notebooks)
+# Both create .venv on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: demo lab test labs clean
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_C) torch
+	$(PY) -m pip install -q $(PIP_C) -e ".[lab,test]"
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m minifsdp.demo
+
+lab: $(VENV)/.installed
+	$(PY) -m jupyter lab labs/ $(ROOT_FLAG)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+labs: $(VENV)/.installed
+	$(PY) tools/make_labs.py
+
+clean:
+	rm -rf runs/ .pytest_cache

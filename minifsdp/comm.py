@@ -1,0 +1,250 @@
+"""Instrumented collectives: ``torch.distributed`` calls that leave a record.
+
+Layer 3 (communication). Every technique in minifsdp talks through these
+functions, never through ``torch.distributed`` directly, so the active tracer
+(``minifsdp.trace``) sees each call: op, bytes, group size, start and end.
+Names and signatures are those of ``torch.distributed``; change
+``dist.all_reduce`` to ``comm.all_reduce`` and nothing else.
+
+What each collective does, with 2 ranks (rank 0 holds ``a``, rank 1 ``b``):
+
+    all_reduce      r0 [1, 2]  r1 [3, 4]   ->  both [4, 6]          (sum)
+    all_gather      r0 [1, 2]  r1 [3, 4]   ->  both [1, 2, 3, 4]    (concatenate)
+    reduce_scatter  r0 [1, 2, 3, 4]  r1 [5, 6, 7, 8]
+                                            ->  r0 [6, 8]  r1 [10, 12]
+                                               (sum, then rank i keeps chunk i)
+    broadcast       r0 [1, 2]  r1 [0, 0]   ->  both [1, 2]          (from src=0)
+
+    all_reduce == reduce_scatter followed by all_gather: the identity that
+    ZeRO and FSDP are built on.
+
+Bytes, two conventions (both recorded on every span):
+
+* ``bytes`` — the *volume* of the collective in the ZeRO paper's units: an
+  all-gather or reduce-scatter of a Ψ-byte tensor moves Ψ, an all-reduce 2Ψ,
+  a broadcast or send Ψ. DDP costs 2Ψ per step, ZeRO-3 3Ψ.
+* ``ring_bytes`` — what one rank actually sends with a ring algorithm:
+  ``(N-1)/N`` of the above (a rank never sends itself its own chunk). This is
+  the number to divide by time for a link's bandwidth ("bus bandwidth" in
+  nccl-tests).
+
+Uneven inputs are rejected with an error that names the fix (pad so every
+rank holds the same number of elements — exactly what FSDP's flat parameters
+do). Set ``comm.CHECK_ACROSS_RANKS = True`` (or env ``MINIFSDP_CHECK_COMM=1``)
+to also compare shapes between ranks before each collective: slower, but a
+mismatch becomes an error instead of a hang or garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from . import dist, trace
+
+__all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
+           "reduce_scatter", "broadcast", "send", "recv", "isend", "irecv", "barrier",
+           "Handle", "ReduceOp", "collective_bytes", "pad_to_multiple"]
+
+CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
+
+
+def collective_bytes(op: str, nbytes: int, group_size: int) -> dict[str, int]:
+    """The two byte counts for one call; ``nbytes`` is the size of the *full* tensor.
+
+    Full tensor: the all-gather output, the reduce-scatter input, the
+    all-reduce / broadcast / send tensor.
+
+    >>> collective_bytes("all_reduce", 1000, 4)
+    {'bytes': 2000, 'ring_bytes': 1500}
+    """
+    n = group_size
+    volume = 2 * nbytes if op == "all_reduce" else nbytes
+    if op in ("send", "recv", "isend", "irecv"):
+        ring = nbytes
+    else:
+        ring = volume * (n - 1) // n
+    return {"bytes": volume, "ring_bytes": ring}
+
+
+class Handle:
+    """An async collective in flight. ``wait()`` blocks until done and records the span.
+
+    The span runs from the call to the end of ``wait()``: on CPU/gloo there are
+    no streams, so that is when the data is known to be there.
+    """
+
+    def __init__(self, work: Any, op: str, start: float, args: dict[str, Any],
+                 tracer: trace.Tracer | None):
+        self._work, self._op, self._start, self._args, self._tracer = work, op, start, args, tracer
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        if self._tracer is not None:
+            self._tracer.add_span(self._op, trace.COMM, self._start, time.perf_counter(), **self._args)
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+
+def _record(op: str, work: Any, start: float, nbytes: int, group: ProcessGroup | None,
+            async_op: bool, tensor: torch.Tensor, **extra: Any) -> Handle | None:
+    size = dist.world_size(group)
+    args = dict(collective_bytes(op, nbytes, size), group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
+                numel=tensor.numel(), async_op=async_op, **extra)
+    handle = Handle(work, op, start, args, trace.active_tracer())
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _check_same_everywhere(what: str, numel: int, group: ProcessGroup | None) -> None:
+    if not CHECK_ACROSS_RANKS or dist.world_size(group) == 1:
+        return
+    sizes = [None] * dist.world_size(group)
+    tdist.all_gather_object(sizes, numel, group=group)
+    if len(set(sizes)) > 1:
+        raise ValueError(f"{what}: ranks hold different sizes {sizes}; every rank must pass "
+                         "the same number of elements (pad with comm.pad_to_multiple)")
+
+
+def pad_to_multiple(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Flatten ``t`` and zero-pad it to a multiple of ``multiple`` elements.
+
+    >>> pad_to_multiple(torch.tensor([1., 2., 3.]), 2)
+    tensor([1., 2., 3., 0.])
+    """
+    flat = t.reshape(-1)
+    pad = (-flat.numel()) % multiple
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+# --------------------------------------------------------------------------
+# The collectives (torch.distributed names and signatures)
+# --------------------------------------------------------------------------
+def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
+               group: ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
+    """Every rank ends with the reduction (default: sum) of all ranks' ``tensor``, in place."""
+    dist.require_initialized("comm.all_reduce")
+    _check_same_everywhere("all_reduce", tensor.numel(), group)
+    start = time.perf_counter()
+    work = tdist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _record("all_reduce", work, start, tensor.numel() * tensor.element_size(), group, async_op, tensor)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Handle | None:
+    """``output`` (N x input's size) becomes the concatenation of every rank's ``input``, in rank order."""
+    dist.require_initialized("comm.all_gather_into_tensor")
+    n = dist.world_size(group)
+    if output.numel() != input.numel() * n:
+        raise ValueError(f"all_gather: output has {output.numel()} elements but input ({input.numel()}) x "
+                         f"group size ({n}) = {input.numel() * n}; size the output N x input")
+    _check_same_everywhere("all_gather", input.numel(), group)
+    start = time.perf_counter()
+    work = tdist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _record("all_gather", work, start, output.numel() * output.element_size(), group, async_op, output)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
+                          group: ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
+    """Reduce every rank's ``input`` (N chunks); rank i receives chunk i of the result in ``output``."""
+    dist.require_initialized("comm.reduce_scatter_tensor")
+    n = dist.world_size(group)
+    if input.numel() != output.numel() * n:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not output ({output.numel()}) x "
+                         f"group size ({n}) = {output.numel() * n}; pad the input to a multiple of "
+                         "the group size (comm.pad_to_multiple)")
+    _check_same_everywhere("reduce_scatter", input.numel(), group)
+    start = time.perf_counter()
+    work = tdist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _record("reduce_scatter", work, start, input.numel() * input.element_size(), group, async_op, input)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Handle | None:
+    """Every rank's ``tensor`` becomes rank ``src``'s (``src`` is a global rank, as in torch)."""
+    dist.require_initialized("comm.broadcast")
+    _check_same_everywhere("broadcast", tensor.numel(), group)
+    start = time.perf_counter()
+    work = tdist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _record("broadcast", work, start, tensor.numel() * tensor.element_size(), group, async_op,
+                   tensor, src=src)
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
+    """Blocking point-to-point send to global rank ``dst``."""
+    dist.require_initialized("comm.send")
+    start = time.perf_counter()
+    tdist.send(tensor, dst=dst, group=group)
+    _record("send", None, start, tensor.numel() * tensor.element_size(), group, False, tensor, peer=dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
+    """Blocking receive from global rank ``src`` into ``tensor``."""
+    dist.require_initialized("comm.recv")
+    start = time.perf_counter()
+    tdist.recv(tensor, src=src, group=group)
+    _record("recv", None, start, tensor.numel() * tensor.element_size(), group, False, tensor, peer=src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Handle:
+    """Non-blocking send; call ``.wait()`` on the handle before reusing ``tensor``."""
+    dist.require_initialized("comm.isend")
+    start = time.perf_counter()
+    work = tdist.isend(tensor, dst=dst, group=group)
+    return _record("send", work, start, tensor.numel() * tensor.element_size(), group, True, tensor, peer=dst)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> Handle:
+    """Non-blocking receive; ``tensor`` holds the data after ``.wait()``."""
+    dist.require_initialized("comm.irecv")
+    start = time.perf_counter()
+    work = tdist.irecv(tensor, src=src, group=group)
+    return _record("recv", work, start, tensor.numel() * tensor.element_size(), group, True, tensor, peer=src)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    dist.require_initialized("comm.barrier")
+    with trace.span("barrier", trace.COMM, bytes=0, ring_bytes=0, group_size=dist.world_size(group)):
+        tdist.barrier(group=group)
+
+
+# --------------------------------------------------------------------------
+# Conveniences that allocate the output (what a lesson usually wants)
+# --------------------------------------------------------------------------
+def all_gather(input: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Return the concatenation (along dim 0) of every rank's ``input``.
+
+    rank 0 holds [1, 2], rank 1 holds [3, 4]  ->  both get [1, 2, 3, 4]
+    """
+    n = dist.world_size(group)
+    output = input.new_empty((n * input.shape[0],) + tuple(input.shape[1:])) if input.dim() else input.new_empty(n)
+    all_gather_into_tensor(output, input.contiguous(), group=group)
+    return output
+
+
+def reduce_scatter(input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
+    """Return this rank's chunk (along dim 0) of the reduction of every rank's ``input``.
+
+    rank 0 holds [1, 2, 3, 4], rank 1 holds [5, 6, 7, 8]  ->  rank 0 gets [6, 8], rank 1 [10, 12]
+    """
+    n = dist.world_size(group)
+    if input.dim() == 0 or input.shape[0] % n:
+        raise ValueError(f"reduce_scatter: dim 0 of the input ({tuple(input.shape)}) must be divisible by the "
+                         f"group size {n}; pad it first (comm.pad_to_multiple)")
+    output = input.new_empty((input.shape[0] // n,) + tuple(input.shape[1:]))
+    reduce_scatter_tensor(output, input.contiguous(), op=op, group=group)
+    return output

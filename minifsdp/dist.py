@@ -1,0 +1,104 @@
+"""Who am I? Rank, world size, device and backend inside a worker.
+
+Layer 1 (runtime). The same worker code runs in three situations:
+
+* inside ``minifsdp.launch(fn, world_size)`` (a notebook cell, a test): the
+  launcher has already called ``torch.distributed.init_process_group``;
+* under ``torchrun --nproc-per-node N script.py`` (one or many machines):
+  call ``minifsdp.dist.init()`` once; it reads RANK / WORLD_SIZE /
+  LOCAL_RANK / MASTER_ADDR from the environment (env:// rendezvous);
+* in a plain single process: ``rank() == 0``, ``world_size() == 1``.
+
+The device rule mirrors what ``torchrun`` users write by hand:
+``cuda:LOCAL_RANK`` with the ``nccl`` backend when CUDA is available, else
+``cpu`` with ``gloo``.
+
+    >>> from minifsdp import dist
+    >>> dist.rank(), dist.world_size(), dist.device(), dist.backend()
+    (0, 1, device(type='cpu'), 'gloo')
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as tdist
+
+
+def is_initialized() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def rank(group: tdist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the whole world); 0 when not distributed."""
+    return tdist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: tdist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group``; 1 when not distributed."""
+    return tdist.get_world_size(group) if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """Rank among the processes of this machine (torchrun's LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def backend() -> str:
+    """The backend of the default process group (or the one ``init`` would pick)."""
+    return str(tdist.get_backend()) if is_initialized() else default_backend()
+
+
+def device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available (and the backend can use it), else ``cpu``."""
+    if torch.cuda.is_available() and backend() != "gloo":
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from torchrun's environment (env://).
+
+    A no-op when a group already exists (e.g. inside ``minifsdp.launch``) so the
+    same script runs both ways. Without torchrun's variables it starts a
+    one-process group, which keeps single-process runs on the same code path.
+    """
+    if is_initialized():
+        return
+    backend = backend or default_backend()
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+    tdist.init_process_group(backend=backend, init_method="env://",
+                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy() -> None:
+    if is_initialized():
+        tdist.destroy_process_group()
+
+
+def require_initialized(what: str) -> None:
+    """Raise a one-line error naming the fix when called outside a process group."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"{what} needs a process group: call it inside minifsdp.launch(fn, world_size) "
+            "or after minifsdp.dist.init() / torch.distributed.init_process_group() (torchrun)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,153 @@
+"""The launcher: results by rank, functions sent by value, errors with the root cause, no hangs, no orphans."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import minifsdp
+from minifsdp import LaunchTimeout, WorkerError, dist, launch
+
+
+def _rank_info(offset):
+    t = torch.tensor([float(tdist.get_rank() + offset)])
+    tdist.all_reduce(t)
+    return {"rank": dist.rank(), "world": dist.world_size(), "sum": t.item(), "device": str(dist.device()),
+            "backend": dist.backend(), "threads": torch.get_num_threads(), "pid": os.getpid(),
+            "env_rank": int(os.environ["RANK"])}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_in_rank_order(world_size):
+    out = launch(_rank_info, world_size, 10)
+    assert [o["rank"] for o in out] == list(range(world_size))
+    expected = sum(10 + r for r in range(world_size))
+    assert all(o["sum"] == expected and o["world"] == world_size for o in out)
+    assert all(o["device"] == "cpu" and o["backend"] == "gloo" for o in out)
+    assert [o["env_rank"] for o in out] == list(range(world_size))  # torchrun-style env is set
+    assert len({o["pid"] for o in out}) == world_size and os.getpid() not in {o["pid"] for o in out}
+    assert all(o["threads"] == max(1, (os.cpu_count() or 1) // world_size) for o in out)
+
+
+def test_lambda_closure_and_tensor_results():
+    scale = 3.0  # captured by the closure: must travel by value
+    out = launch(lambda: torch.arange(3.0) * scale + tdist.get_rank(), 2)
+    assert torch.equal(out[0], torch.tensor([0.0, 3.0, 6.0]))
+    assert torch.equal(out[1], torch.tensor([1.0, 4.0, 7.0]))
+
+
+def test_function_defined_in_main_like_namespace():
+    """A notebook cell defines functions in __main__; emulate that with exec."""
+    namespace = {"__name__": "__main__"}
+    exec("import torch.distributed as d\ndef cell_fn(k):\n    return k * (d.get_rank() + 1)\n", namespace)
+    assert launch(namespace["cell_fn"], 2, 5) == [5, 10]
+
+
+def _boom_on_rank_1():
+    if tdist.get_rank() == 1:
+        raise ValueError("rank one exploded")
+    tdist.barrier()  # rank 0 waits on the dead peer: its error is only a symptom
+
+
+def test_raising_rank_reported_with_original_traceback_fast():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_boom_on_rank_1, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0, f"took {elapsed:.1f}s to report a failing rank"
+    err = info.value
+    assert err.ranks == [1]
+    assert "rank 1" in str(err) and "ValueError: rank one exploded" in str(err)
+    assert "_boom_on_rank_1" in err.failures[1]  # the worker's own traceback, not a peer's
+    assert isinstance(err.__cause__, ValueError)
+
+
+def _hang_on_rank_0():
+    if tdist.get_rank() == 0:
+        time.sleep(60)
+    tdist.barrier()
+
+
+def test_hung_rank_hits_deadline_and_says_where():
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_hang_on_rank_0, 2, timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3.0 <= elapsed < 8.0
+    assert info.value.running == [0, 1]
+    assert "_hang_on_rank_0" in str(info.value)  # the faulthandler stack shows the user's frame
+
+
+def _pids_then_exit_hard():
+    if tdist.get_rank() == 1:
+        os._exit(7)  # dies without a word
+    time.sleep(30)
+
+
+def test_crashed_rank_is_reported_and_no_child_survives():
+    before = set(_children())
+    with pytest.raises(WorkerError, match="rank 1.*exited with code 7"):
+        launch(_pids_then_exit_hard, 2, timeout=30)
+    time.sleep(0.2)
+    leftover = [p for p in _children() if p not in before and _is_worker(p)]
+    assert leftover == [], f"worker processes survived: {leftover}"
+
+
+def _children():
+    import psutil
+
+    return [c.pid for c in psutil.Process().children(recursive=True)]
+
+
+def _is_worker(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(
+            psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_twenty_launches_stay_fast():
+    launch(_rank_info, 2, 0)  # warm the forkserver
+    times = []
+    for _ in range(20):
+        start = time.monotonic()
+        launch(_rank_info, 2, 0)
+        times.append(time.monotonic() - start)
+    print(f"20 launches of 2 ranks: median {sorted(times)[10]:.3f}s, max {max(times):.3f}s")
+    assert sorted(times)[10] < 1.0 and max(times) < 3.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_world_size(bad):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        launch(_rank_info, bad, 0)
+
+
+def test_world_size_over_machine_limit():
+    from minifsdp.launch import max_world_size
+
+    limit = max_world_size()
+    with pytest.raises(ValueError, match=f"use world_size <= {limit}"):
+        launch(_rank_info, limit + 1, 0)
+
+
+def test_unpicklable_result_names_the_fix():
+    import threading
+
+    with pytest.raises(WorkerError, match="cannot be pickled.*return plain data"):
+        launch(lambda: threading.Lock(), 1)
+
+
+def test_unpicklable_argument():
+    import threading
+
+    def f(x):
+        return 1
+
+    with pytest.raises(minifsdp.LaunchError, match="pass picklable arguments"):
+        launch(f, 1, threading.Lock())
