@@ -73,14 +73,14 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     if is_initialized():
         return
     backend = backend or default_backend()
-    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one, in-memory store
+        tdist.init_process_group(backend=backend, store=tdist.HashStore(), rank=0, world_size=1,
+                                 timeout=timeout)
+        return
     if backend == "nccl":
         torch.cuda.set_device(local_rank() % torch.cuda.device_count())
-    tdist.init_process_group(backend=backend, init_method="env://",
-                             timeout=datetime.timedelta(seconds=timeout_s))
+    tdist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
 
 
 def destroy() -> None:
@@ -94,11 +94,3 @@ def require_initialized(what: str) -> None:
         raise RuntimeError(
             f"{what} needs a process group: call it inside minifsdp.launch(fn, world_size) "
             "or after minifsdp.dist.init() / torch.distributed.init_process_group() (torchrun)")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
