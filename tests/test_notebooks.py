@@ -1,0 +1,138 @@
+"""Run the course notebooks with nbclient through tools/run_notebooks.py
+(kernel python3, cwd = the notebook's folder, repo root on PYTHONPATH).
+
+* every solutions/NN.ipynb runs end to end; a failure shows the cell's source
+  and traceback; cells marked ``# NBVAL_CHECK_OUTPUT`` run twice and must
+  print the same text;
+* every labs/NN.ipynb runs cleanly up to its first exercise, which must stop
+  with the exercise's ``NotImplementedError`` stub.
+
+This is how ``make test`` executes notebooks (each once); ``pytest --nbval-lax
+solutions/*.ipynb`` is not needed on top of it.  The runner is first tested on
+tests/fixtures/nb_example.py, built into a temporary folder.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "nb_example.py"
+sys.path.insert(0, str(ROOT / "tools"))
+import make_labs  # noqa: E402
+import run_notebooks as runner  # noqa: E402
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+NO_NOTEBOOKS = pytest.param(None, marks=pytest.mark.skip(reason="no notebooks in solutions/ yet"))
+
+
+def _ids(path: Path | None) -> str:
+    return path.stem if path else "none"
+
+
+def build(root: Path, sources: dict[str, str]) -> Path:
+    """Write sources into root/solutions/src and build their notebooks."""
+    (root / "solutions" / "src").mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        (root / "solutions" / "src" / name).write_text(text, encoding="utf-8")
+    assert make_labs.main(["--root", str(root)]) in (0, 1)  # 1: a convention problem is fine here
+    return root
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("example"),
+                 {"nb_example.py": FIXTURE.read_text(encoding="utf-8")})
+
+
+# ---------------------------------------------------------------- the runner itself
+def test_fixture_solution_runs(example: Path) -> None:
+    assert runner.run_solution(example / "solutions" / "nb_example.ipynb", ROOT) == 6
+
+
+def test_fixture_lab_stops_at_first_exercise(example: Path) -> None:
+    summary = runner.run_lab(example / "labs" / "nb_example.ipynb",
+                          example / "solutions" / "nb_example.ipynb", ROOT)
+    assert "stopped at cell 5 with the stub of exercise cell 5" in summary
+
+
+ENV_AND_FUNCTION = """\
+# %% [markdown]
+# # Environment, and an exercise that only defines a function
+
+# %%
+import os, sys
+from pathlib import Path
+assert Path.cwd() == Path(r"{folder}"), f"cwd is {{Path.cwd()}}"
+assert r"{root}" in os.environ["PYTHONPATH"].split(os.pathsep), "repo root not on PYTHONPATH"
+assert r"{root}" in sys.path, "repo root not importable"
+
+# %%
+def double(x):
+    # BEGIN SOLUTION
+    # HINT: twice x.
+    return 2 * x
+    # END SOLUTION
+
+# %%
+# CHECK
+assert double(2) == 4, "double(2) should be 4"
+"""
+
+
+def test_kernel_env_and_exercise_raising_in_its_check_cell(tmp_path: Path) -> None:
+    fake_root = tmp_path / "fake repo"
+    text = ENV_AND_FUNCTION.format(folder=tmp_path / "labs", root=fake_root)
+    build(tmp_path, {"01_env.py": text})
+    summary = runner.run_lab(tmp_path / "labs" / "01_env.ipynb",
+                          tmp_path / "solutions" / "01_env.ipynb", fake_root)
+    assert "stopped at cell 4 with the stub of exercise cell 3" in summary
+
+
+def test_failing_cell_is_reported_with_source_and_traceback(tmp_path: Path) -> None:
+    build(tmp_path, {"02_fail.py": "# %% [markdown]\n# # Fails\n\n# %%\nok = 1\n\n"
+                                   "# %%\ndef f(n):\n    return 1 / n\n\nf(0)\n"})
+    with pytest.raises(runner.NotebookRunError) as err:
+        runner.run_solution(tmp_path / "solutions" / "02_fail.ipynb", ROOT)
+    message = str(err.value)
+    assert "02_fail.ipynb: cell 3 failed: ZeroDivisionError: division by zero" in message
+    assert "----- cell source -----\ndef f(n):\n    return 1 / n\n\nf(0)\n" in message
+    assert "return 1 / n" in message.split("----- traceback -----")[1]
+    assert "\x1b[" not in message
+
+
+def test_lab_must_not_fail_before_its_exercise(tmp_path: Path) -> None:
+    fixture = FIXTURE.read_text(encoding="utf-8")
+    build(tmp_path, {"03_broken.py": fixture.replace("import math", "import no_such_module_x")})
+    with pytest.raises(runner.NotebookRunError, match="cell 2 failed before the first exercise: "
+                                                   "ModuleNotFoundError"):
+        runner.run_lab(tmp_path / "labs" / "03_broken.ipynb",
+                    tmp_path / "solutions" / "03_broken.ipynb", ROOT)
+
+
+def test_nondeterministic_checked_output_is_caught(tmp_path: Path) -> None:
+    build(tmp_path, {"04_random.py": "# %% [markdown]\n# # Random\n\n# %%\n"
+                                     "# NBVAL_CHECK_OUTPUT\nimport random\nprint(random.random())\n"})
+    with pytest.raises(runner.NotebookRunError, match="NBVAL_CHECK_OUTPUT: the output differs"):
+        runner.run_solution(tmp_path / "solutions" / "04_random.ipynb", ROOT)
+
+
+# ---------------------------------------------------------------- the real notebooks
+@pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
+def test_solution_notebook_runs(path: Path) -> None:
+    try:
+        runner.run_solution(path, ROOT)
+    except runner.NotebookRunError as err:
+        pytest.fail(str(err), pytrace=False)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
+def test_lab_runs_until_first_exercise(path: Path) -> None:
+    lab = ROOT / "labs" / path.name
+    assert lab.exists(), f"{lab} is missing; run: python tools/make_labs.py"
+    try:
+        runner.run_lab(lab, path, ROOT)
+    except runner.NotebookRunError as err:
+        pytest.fail(str(err), pytrace=False)

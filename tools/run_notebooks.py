@@ -1,0 +1,193 @@
+"""Run course notebooks the way the tests do, and explain any failure.
+
+    python tools/run_notebooks.py solutions/00_collectives.ipynb   # every cell must pass
+    python tools/run_notebooks.py labs/00_collectives.ipynb        # must stop at exercise 1
+
+A solution notebook must run end to end; a cell marked ``# NBVAL_CHECK_OUTPUT``
+is run twice and must print the same text both times (its output is the
+kind a reader compares with the book, so it has to be deterministic).
+
+A lab must run cleanly up to its first exercise and stop there with the
+exercise's ``NotImplementedError`` stub: raised by the exercise cell itself,
+or by the check cell right after it when the exercise only defines a
+function (a stub raised inside a worker process counts too, as long as its
+message reaches the traceback).
+
+Kernels are ``python3`` (the Python that runs this), with the notebook's
+folder as working directory and the repository root on ``PYTHONPATH``, so
+``import minifsdp`` works even without ``pip install -e .``.  Each cell may
+take ``CELL_TIMEOUT`` seconds.  tests/test_notebooks.py calls
+``run_solution`` and ``run_lab`` for every notebook in solutions/.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import nbformat
+from nbformat import NotebookNode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import notebooks as nbt  # noqa: E402  (tools/notebooks.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+CELL_TIMEOUT = 300  # seconds per cell
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class NotebookRunError(AssertionError):
+    """A notebook did not run the way the conventions require."""
+
+
+@dataclass
+class CellError:
+    index: int  # 1-based, counting every cell
+    source: str
+    ename: str
+    evalue: str
+    traceback: str
+
+    def report(self, path: Path | str, what: str = "failed") -> str:
+        return (f"{path}: cell {self.index} {what}: {self.ename}: {self.evalue}\n"
+                f"----- cell source -----\n{self.source}\n"
+                f"----- traceback -----\n{self.traceback}")
+
+
+def kernel_env(root: Path) -> dict[str, str]:
+    """The environment for a notebook kernel: ours, plus the repo root on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    return env
+
+
+def _text_outputs(cell: NotebookNode) -> list[str]:
+    texts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            texts.append(f"{out.name}: {out.text}")
+        elif out.output_type in ("execute_result", "display_data"):
+            texts.append(out.get("data", {}).get("text/plain", ""))
+        elif out.output_type == "error":
+            texts.append(out.ename)
+    return texts
+
+
+def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT,
+                  recheck_marked: bool = False) -> Iterator[tuple[int, CellError | None]]:
+    """Run a notebook's code cells in order, yielding (cell number, error or None).
+
+    Stop early by breaking out of the loop: the kernel is shut down either way.
+    With ``recheck_marked``, a cell marked ``# NBVAL_CHECK_OUTPUT`` runs twice
+    and must print the same text both times.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name=nbt.KERNEL, allow_errors=False)
+    client.km = client.create_kernel_manager()
+    client.km.shutdown_wait_time = 2.0  # ipykernel sometimes lingers ~3 s after shutdown
+    with client.setup_kernel(env=kernel_env(root), cwd=str(path.parent)):
+        for index, cell in enumerate(nb.cells, start=1):
+            if cell.cell_type != "code":
+                continue
+            error = _run(client, cell, index, (CellExecutionError, CellTimeoutError,
+                                               DeadKernelError))
+            if error is None and recheck_marked and "# NBVAL_CHECK_OUTPUT" in cell.source:
+                first = _text_outputs(cell)
+                error = _run(client, cell, index, (CellExecutionError, CellTimeoutError,
+                                                   DeadKernelError))
+                if error is None and _text_outputs(cell) != first:
+                    error = CellError(index, cell.source, "NBVAL_CHECK_OUTPUT",
+                                      "the output differs between two runs",
+                                      f"first run: {first!r}\nsecond run: {_text_outputs(cell)!r}")
+            yield index, error
+
+
+def _run(client, cell: NotebookNode, index: int, errors: tuple) -> CellError | None:
+    try:
+        client.execute_cell(cell, index - 1)
+        return None
+    except errors as exc:
+        found = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if found:
+            ename, evalue, tb = found[-1].ename, found[-1].evalue, "\n".join(found[-1].traceback)
+        else:
+            ename, evalue, tb = type(exc).__name__, str(exc), ""
+        return CellError(index, cell.source, ename, _ANSI.sub("", evalue), _ANSI.sub("", tb))
+
+
+def run_solution(path: Path, root: Path, timeout: int = CELL_TIMEOUT) -> int:
+    """Run every cell; raise NotebookRunError at the first failure. Returns cells run."""
+    count = 0
+    with contextlib.closing(execute_cells(path, root, timeout, recheck_marked=True)) as cells:
+        for _, error in cells:
+            if error is not None:
+                raise NotebookRunError(error.report(path))
+            count += 1
+    return count
+
+
+def run_lab(lab: Path, solution: Path, root: Path, timeout: int = CELL_TIMEOUT) -> str:
+    """Run a lab up to its first exercise; it must stop there with NotImplementedError.
+
+    Every cell before the first exercise cell must succeed.  The exercise cell,
+    or its check cell right after (when the exercise only defines a function),
+    must raise the exercise's NotImplementedError stub.  Returns a summary.
+    """
+    sol = nbformat.read(solution, as_version=4)
+    exercises = [i for i, c in enumerate(sol.cells, start=1) if nbt.is_exercise(c)]
+    if not exercises:
+        return f"{lab}: no exercise; ran all {run_solution(lab, root, timeout)} code cells"
+    target = exercises[0]
+    hints = nbt.make_lab_source(sol.cells[target - 1].source, str(solution), target)[1]
+    with contextlib.closing(execute_cells(lab, root, timeout)) as cells:
+        for index, error in cells:
+            if index < target:
+                if error is not None:
+                    raise NotebookRunError(error.report(lab, "failed before the first exercise"))
+                continue
+            if error is None:
+                if index == target:
+                    continue  # the exercise only defined something; its check cell calls it
+                break
+            text = f"{error.ename}: {error.evalue}\n{error.traceback}"
+            if "NotImplementedError" in text and any(h in text for h in hints):
+                return f"{lab}: stopped at cell {index} with the stub of exercise cell {target}"
+            raise NotebookRunError(error.report(lab, "raised something other than the "
+                                                     "exercise stub's NotImplementedError"))
+    raise NotebookRunError(f"{lab}: neither exercise cell {target} nor the check cell after "
+                           "it raised the stub's NotImplementedError; is the lab stale? "
+                           "Run: python tools/make_labs.py")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="+", type=Path,
+                        help="solutions/NN.ipynb (run all) or labs/NN.ipynb (run to exercise 1)")
+    parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds per cell")
+    args = parser.parse_args(argv)
+    status = 0
+    for path in args.notebooks:
+        path = path.resolve()
+        try:
+            if path.parent.name == "labs":
+                print(run_lab(path, path.parent.parent / "solutions" / path.name, ROOT,
+                              args.timeout))
+            else:
+                print(f"{path}: all {run_solution(path, ROOT, args.timeout)} code cells passed")
+        except NotebookRunError as err:
+            print(err, file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
