@@ -7,12 +7,15 @@
 * every labs/NN.ipynb runs cleanly up to its first exercise, which must stop
   with the exercise's ``NotImplementedError`` stub.
 
-This is how ``make test`` executes notebooks (each once); ``pytest --nbval-lax
-solutions/*.ipynb`` is not needed on top of it.  The runner is first tested on
+``make test`` executes the solutions with ``pytest --nbval-lax`` (pyproject's
+testpaths include solutions/), so the nbclient run of the solutions here, which
+adds the twice-run NBVAL_CHECK_OUTPUT comparison, is opt-in to keep each
+notebook executed once: ``MINIFSDP_NB_DETERMINISM=1 pytest tests/test_notebooks.py``.  The runner is first tested on
 tests/fixtures/nb_example.py, built into a temporary folder.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -120,6 +123,8 @@ def test_nondeterministic_checked_output_is_caught(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the real notebooks
+@pytest.mark.skipif(os.environ.get("MINIFSDP_NB_DETERMINISM") != "1",
+                    reason="solutions run under nbval-lax; set MINIFSDP_NB_DETERMINISM=1 for this stricter run")
 @pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
 def test_solution_notebook_runs(path: Path) -> None:
     try:
