@@ -1,0 +1,466 @@
+"""Pictures of what minifsdp records: per-rank timelines, memory by category,
+collective bandwidth, and who-holds-what diagrams of the collectives.
+
+Layer 6 (front). Input is plain data from the recording layer
+(``trace.Trace``, ``trace.MemorySample``) or lists of dicts; output is a
+matplotlib ``Figure``. The pictures mirror the ones a learner meets
+elsewhere: the per-rank timeline of Perfetto / ``torch.profiler`` traces, the
+stacked memory-by-category plot of PyTorch's memory visualiser
+(``torch.cuda.memory._snapshot``) and ``MemTracker``, the bytes-vs-time plot
+of ``nccl-tests``, and the before/after block diagrams of the NCCL docs.
+
+    traces = launch(worker, 2)                    # each worker returns tracer.trace
+    plot.timeline(traces).savefig("timeline.png")
+    plot.memory(traces)                           # in a notebook: shows inline
+    plot.collective_diagram("reduce_scatter", 4)
+
+Why no pyplot: ``pyplot`` keeps a global registry of figures and picks a GUI
+backend; a script on a headless machine can then fail, and a notebook shows
+every registered figure a second time at the end of the cell. A bare
+``Figure`` draws with Agg wherever it is, ``savefig`` works, and our subclass
+adds ``_repr_png_`` so IPython shows a returned figure inline exactly once,
+whatever backend the notebook uses. Pass ``ax=`` to draw into your own
+(pyplot or not) axes instead.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import zlib
+from typing import Any, Iterable, Sequence
+
+import matplotlib.figure
+import matplotlib.patches as mpatches
+from matplotlib.axes import Axes
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+from . import comm
+from .trace import COMM, COMPUTE, MemorySample, Trace
+
+__all__ = ["timeline", "memory", "bandwidth", "collective_diagram", "human_bytes",
+           "color_for", "Figure", "MiB", "CATEGORY_COLORS", "OP_COLORS"]
+
+MiB = 1 << 20
+
+# One colour per collective, the same in every picture of the lab (tab10 hues).
+OP_COLORS = {
+    "all_reduce": "#d62728", "all_gather": "#1f77b4", "reduce_scatter": "#2ca02c",
+    "broadcast": "#9467bd", "send": "#ff7f0e", "recv": "#e7a53c", "barrier": "#7f7f7f",
+}
+# Compute spans the techniques open; muted, so communication stands out.
+COMPUTE_COLORS = {
+    "step": "#e8e8e8", "forward": "#8fb8de", "backward": "#f2b880", "optimizer": "#a8d5a2",
+    "wrap": "#d9d9d9",
+}
+# Memory categories (minifsdp.memory's names), bottom of the stack first.
+CATEGORY_COLORS = {
+    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
+    "activations": "#c44e52", "temporary": "#e6b0aa", "comm": "#8172b3", "other": "#b0b0b0",
+}
+_FALLBACK = ["#17becf", "#bcbd22", "#e377c2", "#8c564b", "#aec7e8", "#ffbb78",
+             "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5"]
+
+
+class Figure(matplotlib.figure.Figure):
+    """A matplotlib Figure that IPython displays inline as PNG (see module docstring)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units with one decimal, as the lab prints them everywhere.
+
+    >>> human_bytes(512), human_bytes(4 * 2**20), human_bytes(1536), human_bytes(0)
+    ('512 B', '4.0 MiB', '1.5 KiB', '0 B')
+    """
+    sign, n = ("-" if n < 0 else ""), abs(float(n))
+    if n < 1024:
+        return f"{sign}{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def color_for(name: str) -> str:
+    """A stable colour for a span name or memory category (same name, same colour, every plot)."""
+    for table in (OP_COLORS, CATEGORY_COLORS, COMPUTE_COLORS):
+        if name in table:
+            return table[name]
+    # crc32, not hash(): Python salts str hashes per process, colours must not change between runs.
+    return _FALLBACK[zlib.crc32(name.encode()) % len(_FALLBACK)]
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure | Any, Axes]:
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _as_traces(traces: Trace | Iterable[Trace]) -> list[Trace]:
+    out = [traces] if isinstance(traces, Trace) else list(traces)
+    if not all(isinstance(t, Trace) for t in out):
+        raise TypeError("expected a trace.Trace or a list of them (what tracer.trace holds; "
+                        "return it from each launched worker)")
+    return out
+
+
+def _t0(traces: Sequence[Trace]) -> float:
+    """The earliest event of any rank: time zero, shared by timeline() and memory()."""
+    times = [s.start for t in traces for s in t.spans] + [m.time for t in traces for m in t.memory]
+    return min(times, default=0.0)
+
+
+# --------------------------------------------------------------------------
+# timeline
+# --------------------------------------------------------------------------
+def _depths(spans: list[Any]) -> list[int]:
+    """How many earlier spans of the lane are still open when each span starts.
+
+    Compute spans nest ("step" holds "forward"); async collectives overlap. A
+    deeper span is drawn thinner on top, so neither hides the other.
+    """
+    order = sorted(range(len(spans)), key=lambda i: (spans[i].start, -spans[i].end))
+    open_ends: list[float] = []
+    depth = [0] * len(spans)
+    for i in order:
+        open_ends = [e for e in open_ends if e > spans[i].start]
+        depth[i] = len(open_ends)
+        open_ends.append(spans[i].end)
+    return depth
+
+
+def _span_labels(s: Any) -> list[str]:
+    """Label candidates, longest first: "all_reduce 4.0 MiB", "all_reduce", "4.0 MiB"."""
+    if s.kind == COMM and s.args.get("bytes"):
+        size = human_bytes(s.args["bytes"])
+        return [f"{s.name} {size}", s.name, size]
+    return [s.name]
+
+
+def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str | None = None,
+             max_labels: int = 400) -> Figure:
+    """One row per rank, two lanes each (compute above, comm below), every span a bar.
+
+    Bars are coloured by name (each collective its own colour, see
+    ``OP_COLORS``); a bar wide enough for it carries its name, and for
+    collectives the bytes moved (the ``bytes`` the tracer recorded: the
+    ZeRO-paper volume, e.g. 2x the tensor for all_reduce). Time is in
+    milliseconds from the earliest event of any rank, so ranks line up.
+
+        >>> fig = timeline([tr0, tr1], title="DDP, 2 ranks")   # doctest: +SKIP
+        >>> fig.savefig("timeline.png")                         # doctest: +SKIP
+    """
+    traces = sorted(_as_traces(traces), key=lambda t: t.rank)
+    fig, ax = _new_axes(ax, (12, 0.9 + 1.1 * max(len(traces), 1)))
+    t0 = _t0(traces)
+    t_end = max((s.end for t in traces for s in t.spans), default=t0 + 1e-3)
+    span_ms = max((t_end - t0) * 1e3, 1e-3)
+    ax.set_xlim(0, span_ms * 1.01)
+
+    # Where there is room for a label: the bar's width in pixels against the
+    # text's (about 0.6 em per character). Measured once, from the axes size.
+    fig_w_in = fig.get_size_inches()[0]
+    axes_px = fig_w_in * fig.dpi * ax.get_position().width * 0.85
+    px_per_ms = axes_px / (span_ms * 1.01)
+    char_px = 0.6 * 7 * fig.dpi / 72
+
+    lane_h, yticks, ylabels, seen_names = 0.8, [], [], {}
+    labels_drawn = 0
+    for row, tr in enumerate(traces):
+        for lane_i, kind in enumerate((COMPUTE, COMM)):
+            y = row * 2.6 + lane_i * 1.0
+            yticks.append(y + lane_h / 2)
+            ylabels.append(f"rank {tr.rank} {kind}")
+            spans = [s for s in tr.spans if (s.kind == COMM) == (kind == COMM)]
+            depths = _depths(spans)
+            # One collection per (name, depth): thousands of spans stay fast to draw.
+            groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+            for s, d in zip(spans, depths):
+                groups.setdefault((s.name, d), []).append(((s.start - t0) * 1e3, max(s.duration, 0.0) * 1e3))
+            for (name, d), xranges in groups.items():
+                h = lane_h * max(0.4, 1.0 - 0.25 * d)
+                coll = ax.broken_barh(xranges, (y + (lane_h - h) / 2, h), facecolors=color_for(name),
+                                      edgecolors="white", linewidth=0.3, zorder=2 + d)
+                coll.set_gid("minifsdp-span")  # tests and users can find the bars
+                seen_names.setdefault(name, kind)
+            for s, d in zip(spans, depths):
+                width_px = s.duration * 1e3 * px_per_ms
+                fits = [t for t in _span_labels(s) if width_px > char_px * (len(t) + 1)]
+                if labels_drawn < max_labels and fits:
+                    text = fits[0]
+                    ax.text((s.start - t0) * 1e3 + s.duration * 1e3 / 2, y + lane_h / 2, text,
+                            ha="center", va="center", fontsize=7, zorder=10 + d, clip_on=True)
+                    labels_drawn += 1
+
+    ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.set_ylim(max(yticks, default=0) + 0.8, -0.4)  # rank 0 on top
+    ax.set_xlabel("time (ms) from the first event")
+    ax.set_ylabel("rank / lane")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or f"timeline, {len(traces)} rank(s)")
+    if not seen_names:
+        ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center", color="gray")
+    # Legend: compute names first, then collectives.
+    names = sorted(seen_names, key=lambda n: (seen_names[n] == COMM, n))
+    handles = [mpatches.Patch(color=color_for(n), label=n) for n in names]
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
+                  frameon=False, title="span", title_fontsize=8)
+    return fig
+
+
+# --------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------
+def _memory_series(obj: Any) -> tuple[list[tuple[str, list[MemorySample]]], float]:
+    """Normalise memory()'s input to [(label, samples)] and a time zero."""
+    if isinstance(obj, dict) and "samples" in obj:          # MemoryTracker.report()
+        obj = obj["samples"]
+    elif hasattr(obj, "samples") and not isinstance(obj, (list, tuple)):  # a MemoryTracker
+        obj = obj.samples
+    if isinstance(obj, Trace) or (isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], Trace)):
+        traces = sorted(_as_traces(obj), key=lambda t: t.rank)
+        return [(f"rank {t.rank}", sorted(t.memory, key=lambda m: m.time)) for t in traces], _t0(traces)
+    samples = list(obj)
+    if not all(isinstance(m, MemorySample) for m in samples):
+        raise TypeError("memory() takes a Trace, a list of Traces, a list of MemorySamples or a "
+                        "MemoryTracker / its report()")
+    samples.sort(key=lambda m: m.time)
+    return [("", samples)], (samples[0].time if samples else 0.0)
+
+
+def _categories(samples: Iterable[MemorySample]) -> list[str]:
+    """Categories that are ever non-zero: known ones in CATEGORY_COLORS order, then the rest."""
+    present: dict[str, None] = {}
+    for m in samples:
+        for c, b in m.bytes_by_category.items():
+            if b:
+                present.setdefault(c, None)
+    known = [c for c in CATEGORY_COLORS if c in present]
+    return known + [c for c in present if c not in CATEGORY_COLORS]
+
+
+def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
+           title: str | None = None) -> Figure:
+    """Live memory (MiB) over time (ms), stacked by category, peak marked; one subplot per rank.
+
+    Accepts a ``Trace``, a list of them, a list of ``MemorySample`` or a
+    ``MemoryTracker`` (or its ``report()``). Each sample holds until the
+    next, so the stack is drawn as steps. The peak is the largest sample
+    total (the tracker records a sample at its exact peak), annotated as
+    "peak 81.2 MiB at 12.3 ms". Colours per category are fixed
+    (``CATEGORY_COLORS``) so plots compare at a glance.
+
+        >>> memory(tracker.samples)                  # doctest: +SKIP
+    """
+    series, t0 = _memory_series(trace_or_samples)
+    cats = _categories(m for _, ss in series for m in ss)
+    if ax is None:
+        fig = Figure(figsize=(10, 0.6 + 2.6 * len(series)), layout="constrained")
+        axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0].tolist()
+    else:
+        axes = [ax] if isinstance(ax, Axes) else list(ax)
+        if len(axes) != len(series):
+            raise ValueError(f"memory(): {len(series)} series but {len(axes)} axes; pass ax=None "
+                             "to get one subplot per rank, or one axes per trace")
+        fig = axes[0].figure
+    for i, ((label, samples), a) in enumerate(zip(series, axes)):
+        if not samples:
+            a.text(0.5, 0.5, "no memory samples", transform=a.transAxes, ha="center", color="gray")
+        else:
+            # Steps: repeat every sample's value up to the next sample's time.
+            ts = [(m.time - t0) * 1e3 for m in samples]
+            xs = [x for j, t in enumerate(ts) for x in (t, ts[j + 1] if j + 1 < len(ts) else t)]
+            ys = [[m.bytes_by_category.get(c, 0) / MiB for m in samples for _ in (0, 1)] for c in cats]
+            a.stackplot(xs, ys, labels=cats, colors=[color_for(c) for c in cats], linewidth=0)
+            # The total as a thin outline: a spike narrower than a pixel still shows.
+            a.plot(xs, [m.total / MiB for m in samples for _ in (0, 1)], color="black", linewidth=0.5)
+            peak = max(samples, key=lambda m: m.total)
+            px, py = (peak.time - t0) * 1e3, peak.total / MiB
+            a.axhline(py, color="black", linestyle="--", linewidth=0.8)
+            a.plot([px], [py], marker="v", color="black", markersize=6)
+            ann = a.annotate(f"peak {human_bytes(peak.total)} at {px:.1f} ms", (px, py),
+                             xytext=(4, 4), textcoords="offset points", fontsize=8,
+                             ha="left" if px < 0.6 * xs[-1] else "right", va="bottom")
+            ann.set_gid("minifsdp-peak")
+            a.set_ylim(0, py * 1.2 if py > 0 else 1)
+        a.set_ylabel(f"{label} MiB".strip() if label else "live memory (MiB)")
+        a.grid(alpha=0.3)
+        if i == len(series) - 1:
+            a.set_xlabel("time (ms)")
+    axes[0].set_title(title or "live memory by category")
+    if cats:
+        handles = [mpatches.Patch(color=color_for(c), label=c) for c in cats]
+        axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
+                       frameon=False, title="category", title_fontsize=8)
+    return fig
+
+
+# --------------------------------------------------------------------------
+# bandwidth
+# --------------------------------------------------------------------------
+def _pow2_ticks(lo: float, hi: float, step: int = 2) -> list[float]:
+    lo_e, hi_e = int(max(lo, 1)).bit_length() - 1, int(max(hi, 1)).bit_length()
+    return [float(2 ** e) for e in range(lo_e, hi_e + 1) if e % step == 0] or [float(lo)]
+
+
+def bandwidth(results: Sequence[dict[str, Any]], ax: Axes | None = None, title: str | None = None,
+              xlabel: str = "message size (bytes per call)") -> Figure:
+    """Time per call against message size, log-log, one line per (collective, world size).
+
+    ``results``: dicts ``{"op", "world_size", "bytes", "seconds"}``, one per
+    timed call (repeats are fine: the line goes through the median, the dots
+    show every call). Dotted diagonals are constant bandwidth (bytes / time):
+    a line parallel to them is bandwidth-bound, a flat one latency-bound.
+
+        >>> bandwidth([{"op": "all_reduce", "world_size": 2, "bytes": 4 << 20, "seconds": 0.014}])  # doctest: +SKIP
+    """
+    need = {"op", "world_size", "bytes", "seconds"}
+    for r in results:
+        if not need <= set(r):
+            raise ValueError(f"bandwidth(): each result needs keys {sorted(need)}; got {sorted(r)}")
+        if r["bytes"] <= 0 or r["seconds"] <= 0:
+            raise ValueError(f"bandwidth(): bytes and seconds must be > 0 for a log-log plot; got {r}")
+    fig, ax = _new_axes(ax, (8, 5))
+    groups: dict[tuple[str, int], dict[int, list[float]]] = {}
+    for r in results:
+        groups.setdefault((r["op"], int(r["world_size"])), {}).setdefault(int(r["bytes"]), []).append(r["seconds"])
+    sizes = sorted({int(r["bytes"]) for r in results})
+    world_sizes = sorted({ws for _, ws in groups})
+    markers = "osD^vP*X"
+    for (op, ws), by_size in sorted(groups.items()):
+        xs = sorted(by_size)
+        style = dict(color=color_for(op), marker=markers[world_sizes.index(ws) % len(markers)],
+                     linestyle=["-", "--", ":", "-."][world_sizes.index(ws) % 4])
+        ax.plot(xs, [statistics.median(by_size[x]) * 1e3 for x in xs], label=f"{op}, {ws} ranks", **style)
+        if any(len(v) > 1 for v in by_size.values()):
+            ax.scatter([x for x in xs for _ in by_size[x]], [t * 1e3 for x in xs for t in by_size[x]],
+                       color=color_for(op), s=8, alpha=0.3, linewidths=0)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if results:
+        # Reference lines of constant bandwidth, labelled where they leave the plot.
+        x_lo, x_hi = sizes[0] / 1.5, sizes[-1] * 1.5
+        ax.set_xlim(x_lo, x_hi)
+        y_lo, y_hi = ax.get_ylim()
+        for gbps in (0.01, 0.1, 1, 10, 100, 1000):
+            ms = [x / (gbps * 1e9) * 1e3 for x in (x_lo, x_hi)]
+            if ms[1] > y_lo and ms[0] < y_hi:
+                ax.plot([x_lo, x_hi], ms, color="gray", linestyle=":", linewidth=0.8, zorder=0)
+                # label where the line leaves the plot: the right edge, or the top edge
+                at = (x_hi, ms[1]) if ms[1] <= y_hi else (y_hi / 1e3 * gbps * 1e9, y_hi)
+                ax.annotate(f"{gbps:g} GB/s", at, fontsize=7, color="gray", ha="right", va="top")
+        ax.set_ylim(y_lo, y_hi)
+        # the measured sizes themselves when few, else every 4x
+        ticks = [float(s) for s in sizes] if len(sizes) <= 8 else _pow2_ticks(sizes[0], sizes[-1], 2)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("time per call (ms)")
+    ax.grid(which="both", alpha=0.25)
+    ax.set_title(title or "collective time vs size (median; dots: every call)")
+    if groups:
+        ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+# --------------------------------------------------------------------------
+# collective_diagram
+# --------------------------------------------------------------------------
+_RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+_SUM_COLOR = "#3a3a3a"
+_DIAGRAMS = {
+    "all_reduce": "every rank ends with the sum of all ranks' tensors",
+    "reduce_scatter": "sum over ranks, then rank i keeps chunk i",
+    "all_gather": "every rank ends with every rank's chunk, in rank order",
+    "broadcast": "every rank ends with rank {src}'s tensor",
+}
+
+
+def _holdings(op: str, n: int, src: int) -> tuple[list[list[Any]], list[list[Any]]]:
+    """(before, after): per rank, per chunk, ``None`` (empty) or ``(value, owner)``.
+
+    owner is the rank the value comes from, or ``"sum"``. Rank r's chunk c
+    holds 10r + c + 1, so a value's tens digit names its rank: 1..4, 11..14, ...
+    """
+    val = [[10 * r + c + 1 for c in range(n)] for r in range(n)]
+    full = [[(val[r][c], r) for c in range(n)] for r in range(n)]
+    sums = [sum(val[r][c] for r in range(n)) for c in range(n)]
+    if op == "all_reduce":
+        return full, [[(sums[c], "sum") for c in range(n)] for _ in range(n)]
+    if op == "reduce_scatter":
+        return full, [[(sums[c], "sum") if c == r else None for c in range(n)] for r in range(n)]
+    if op == "all_gather":
+        before = [[full[r][c] if c == r else None for c in range(n)] for r in range(n)]
+        return before, [[full[c][c] for c in range(n)] for _ in range(n)]
+    # broadcast: the other ranks' old contents are overwritten
+    before = [full[r] if r == src else [("?", "old")] * n for r in range(n)]
+    return before, [list(full[src]) for _ in range(n)]
+
+
+def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | None = None) -> Figure:
+    """Who holds what before and after one collective, with small worked values.
+
+    Rows are ranks, blocks are chunks of each rank's tensor, coloured by the
+    rank the value came from (dark: a sum over ranks). Rank r's chunk c
+    starts as 10r + c + 1. The caption gives the bytes moved, from
+    ``comm.collective_bytes``, for a tensor of Ψ bytes.
+
+        >>> collective_diagram("all_reduce", 2)      # doctest: +SKIP
+        # before: r0 [1 2]  r1 [11 12]   after: r0 [12 14]  r1 [12 14]
+    """
+    if op not in _DIAGRAMS:
+        raise ValueError(f"collective_diagram(): unknown op {op!r}; choose one of {sorted(_DIAGRAMS)}")
+    if not 1 <= world_size <= len(_RANK_COLORS):
+        raise ValueError(f"collective_diagram(): world_size must be 1..{len(_RANK_COLORS)} to stay "
+                         f"readable; got {world_size}")
+    if not 0 <= src < world_size:
+        raise ValueError(f"collective_diagram(): src must be a rank in 0..{world_size - 1}; got {src}")
+    n = world_size
+    fig, ax = _new_axes(ax, (2.2 + 1.3 * n, 0.9 + 0.55 * n))
+    before, after = _holdings(op, n, src)
+    gap = 1.6  # room for the arrow between the panels
+    for panel, (x0, holdings) in enumerate(((0.0, before), (n + gap, after))):
+        ax.text(x0 + n / 2, -0.35, ("before", "after")[panel], ha="center", va="bottom",
+                fontsize=10, fontweight="bold")
+        for r in range(n):
+            for c in range(n):
+                cell = holdings[r][c]
+                if cell is None:
+                    box = mpatches.Rectangle((x0 + c + 0.05, r + 0.05), 0.9, 0.8, fill=False,
+                                             edgecolor="#bbbbbb", linestyle="--", linewidth=0.8)
+                    ax.add_patch(box)
+                    continue
+                value, owner = cell
+                color = {"sum": _SUM_COLOR, "old": "#eeeeee"}.get(owner) or _RANK_COLORS[owner]
+                ax.add_patch(mpatches.Rectangle((x0 + c + 0.05, r + 0.05), 0.9, 0.8, facecolor=color,
+                                                edgecolor="white"))
+                ax.text(x0 + c + 0.5, r + 0.45, str(value), ha="center", va="center", fontsize=9,
+                        color="black" if owner == "old" else "white")
+    for r in range(n):
+        ax.text(-0.1, r + 0.45, f"rank {r}", ha="right", va="center", fontsize=9)
+    ax.annotate("", xy=(n + gap - 0.2, n / 2), xytext=(n + 0.2, n / 2),
+                arrowprops=dict(arrowstyle="-|>", color="black", linewidth=1.5))
+    ax.text(n + gap / 2, n / 2 - 0.15, op, ha="center", va="bottom", fontsize=8)
+    nb = comm.collective_bytes(op, 1 << 20, n)
+    vol, ring = nb["bytes"] / (1 << 20), nb["ring_bytes"] / (1 << 20)
+    caption = f"tensor of Ψ bytes: volume {vol:g}Ψ; with a ring each rank sends {ring:.3g}Ψ"
+    if op in ("all_reduce", "reduce_scatter"):
+        caption += "\ndark blocks: sums over ranks (e.g. 1 + 11 + ...)"
+    if op == "all_reduce":
+        caption += "; all_reduce = reduce_scatter + all_gather"
+    ax.text((2 * n + gap) / 2, n + 0.15, caption, ha="center", va="top", fontsize=8, color="#444444")
+    ax.set_xlim(-1.3, 2 * n + gap + 0.1)
+    ax.set_ylim(n + 0.75 + 0.3 * (op in ("all_reduce", "reduce_scatter")), -0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"{op}, {n} ranks: {_DIAGRAMS[op].format(src=src)}", fontsize=10, pad=14)
+    return fig
