@@ -1,0 +1,322 @@
+"""minifsdp.ddp against the single-process computation and against torch's own DDP.
+
+Parity: gpt-tiny, AdamW, 3 steps, global batch of 8 sequences split across
+ranks (and into micro-batches for gradient accumulation). Tolerances (fp32):
+* vs torch DDP in the same processes: bit-identical losses and parameters
+  at 1 and 2 ranks (same arithmetic: grad / N, then a sum); at 4 ranks
+  parameters within 2e-5 absolute (measured <= 1.1e-5): how gloo orders a
+  sum of 4 addends depends on the message size, and our buckets differ from
+  torch's (torch also uses a 1 MiB first bucket);
+* vs one process on the whole batch: losses within 1e-5 (measured 4.8e-7),
+  parameters within atol 2e-5 / rtol 1e-4 (measured <= 8e-6 absolute): a
+  mean over 8 sequences vs a mean of per-rank means rounds differently, and
+  Adam's m / sqrt(v) amplifies that for gradients near zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from minifsdp import WorkerError, launch, trace
+from minifsdp.ddp import DistributedDataParallel, NaiveDataParallel, bucket_assignment
+from minifsdp.models import build_model, lm_loss
+
+GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-2
+LOSS_TOL = 1e-5
+PARAM_ATOL, PARAM_RTOL = 2e-5, 1e-4
+TORCH_TOL_4_RANKS = 2e-5
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: the same on every rank and in the reference run."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _single_process_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build_model("gpt-tiny", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _wrap(kind: str, model: nn.Module, **kw):
+    if kind == "naive":
+        return NaiveDataParallel(model)
+    if kind == "torch":
+        return torch.nn.parallel.DistributedDataParallel(model, **kw)
+    return DistributedDataParallel(model, gradient_as_bucket_view=(kind == "ddp_view"), **kw)
+
+
+def _train(kinds: list[str], accum: int, steps: int = STEPS, bucket_cap_mb: float = 0.05) -> dict:
+    """Each kind trains its own copy; rank r starts from DIFFERENT weights (seed r): the wrap must broadcast."""
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    for kind in kinds:
+        kw = {} if kind == "naive" else {"bucket_cap_mb": bucket_cap_mb}
+        model = _wrap(kind, build_model("gpt-tiny", seed=r), **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        losses = []
+        for step in range(steps):
+            x, y = _batch(step)
+            per_rank = GLOBAL_BATCH // n
+            xs, ys = x[r * per_rank:(r + 1) * per_rank].chunk(accum), y[r * per_rank:(r + 1) * per_rank].chunk(accum)
+            local = 0.0
+            for k, (xm, ym) in enumerate(zip(xs, ys)):
+                last = k == accum - 1
+                with (torch.enable_grad() if last else model.no_sync()):
+                    loss = lm_loss(model(xm), ym) / accum
+                    loss.backward()
+                local += loss.item()
+            opt.step()
+            opt.zero_grad()
+            total = torch.tensor([local])
+            tdist.all_reduce(total)  # test bookkeeping only: the global mean loss
+            losses.append(total.item() / n)
+        out[kind] = {"losses": losses, "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_parity_with_single_process_and_torch_ddp(n, accum):
+    ref_losses, ref_params = _single_process_reference()
+    results = launch(_train, n, ["naive", "ddp", "ddp_view", "torch"], accum, timeout=120)
+    for r, res in enumerate(results):
+        torch_run = res["torch"]
+        for kind in ("naive", "ddp", "ddp_view"):
+            ours = res[kind]
+            assert ours["losses"] == pytest.approx(ref_losses, abs=LOSS_TOL), (kind, r)
+            assert ours["losses"] == pytest.approx(torch_run["losses"], abs=LOSS_TOL), (kind, r)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(ours["params"][name], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
+                                           msg=lambda m: f"{kind} rank {r} {name}: {m}")
+                if n <= 2:
+                    assert torch.equal(ours["params"][name], torch_run["params"][name]), (kind, r, name)
+                else:
+                    torch.testing.assert_close(ours["params"][name], torch_run["params"][name],
+                                               atol=TORCH_TOL_4_RANKS, rtol=0,
+                                               msg=lambda m: f"{kind} vs torch rank {r} {name}: {m}")
+        # every rank holds the same model (the broadcast at wrap worked, every step was identical)
+        for name, p in res["ddp"]["params"].items():
+            assert torch.equal(p, results[0]["ddp"]["params"][name])
+
+
+def test_bucket_assignment_reverse_order_and_cap():
+    ts = [torch.zeros(100), torch.zeros(200), torch.zeros(300)]
+    assert bucket_assignment(ts, 2000 / 2**20) == [[2, 1], [0]]
+    assert bucket_assignment(ts, 1) == [[2, 1, 0]]
+    # a tensor bigger than the cap gets a bucket of its own
+    assert bucket_assignment(ts, 500 / 2**20) == [[2], [1], [0]]
+    # dtypes never share a bucket (a bucket is one flat tensor)
+    mixed = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10)]
+    assert sorted(bucket_assignment(mixed, 1)) == [[1], [2, 0]]
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        bucket_assignment(ts, 0)
+
+
+def _buckets_of_gpt(cap_mb: float):
+    model = DistributedDataParallel(build_model("gpt-tiny"), bucket_cap_mb=cap_mb)
+    names = [n for n, _ in model.module.named_parameters()]
+    sizes = {n: p.numel() * 4 for n, p in model.module.named_parameters()}
+    return names, sizes, [(b.names, b.nbytes) for b in model.buckets], list(model.state_dict())[:2]
+
+
+def test_ddp_buckets_on_gpt():
+    cap_mb = 0.05
+    cap = int(cap_mb * 2**20)
+    names, sizes, buckets, sd_keys = launch(_buckets_of_gpt, 1, cap_mb, timeout=60)[0]
+    assert len(buckets) >= 2
+    assert [n for b, _ in buckets for n in b] == names[::-1]          # reverse parameter order
+    for i, (bnames, nbytes) in enumerate(buckets):
+        assert nbytes == sum(sizes[n] for n in bnames)
+        assert nbytes <= cap or len(bnames) == 1                       # cap respected
+        if i + 1 < len(buckets):                                       # greedy: the next tensor did not fit
+            assert nbytes + sizes[buckets[i + 1][0][0]] > cap
+    assert all(k.startswith("module.") for k in sd_keys)                # state_dict keys like torch DDP
+
+
+def _traced_step(kind: str, cap_mb: float, accum: int = 1, pattern: str = "right") -> dict:
+    """One optimizer step under a tracer. pattern: how no_sync is used (see test_no_sync_pitfalls_are_observable)."""
+    r = tdist.get_rank()
+    kw = {} if kind == "naive" else {"bucket_cap_mb": cap_mb}
+    model = _wrap(kind, build_model("gpt-tiny", seed=0), **kw)
+    x, y = _batch(0)
+    x, y = x[r::tdist.get_world_size()], y[r::tdist.get_world_size()]
+    with trace.Tracer() as tracer:
+        for k, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            last = k == accum - 1
+            if last and pattern == "last_forward_inside":  # forward inside no_sync, backward outside
+                with model.no_sync():
+                    loss = lm_loss(model(xm), ym)
+                loss.backward()
+            elif last:
+                loss = lm_loss(model(xm), ym)
+                with tracer.span("backward"):
+                    loss.backward()
+            elif pattern == "right":
+                with model.no_sync():
+                    lm_loss(model(xm), ym).backward()
+            elif pattern == "forward_outside":
+                loss = lm_loss(model(xm), ym)
+                with model.no_sync():
+                    loss.backward()
+    psi = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    return {"spans": [(s.name, s.start, s.end, s.args.get("bytes", 0)) for s in tracer.trace.spans],
+            "psi": psi, "n_params": len(list(model.module.parameters())),
+            "n_buckets": len(model.buckets) if kind in ("ddp", "ddp_view") else None,
+            "grads": {n: p.grad.clone() for n, p in model.module.named_parameters()}}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_bytes_per_step_is_two_psi(n):
+    for kind in ("ddp", "naive"):
+        for accum in (1, 2):
+            res = launch(_traced_step, n, kind, 0.05, accum, timeout=60)[0]
+            reduces = [s for s in res["spans"] if s[0] == "all_reduce"]
+            assert sum(s[3] for s in reduces) == 2 * res["psi"], (kind, accum)
+            assert len(reduces) == (res["n_buckets"] if kind == "ddp" else res["n_params"]), (kind, accum)
+
+
+def test_all_reduce_overlaps_backward():
+    res = launch(_traced_step, 2, "ddp", 0.02, timeout=60)[0]
+    spans = res["spans"]
+    (_, b_start, b_end, _), = [s for s in spans if s[0] == "backward"]
+    (_, d_start, d_end, _), = [s for s in spans if s[0] == "ddp.backward"]
+    reduce_starts = sorted(s[1] for s in spans if s[0] == "all_reduce")
+    assert res["n_buckets"] >= 3 and len(reduce_starts) == res["n_buckets"]
+    # the first bucket goes on the wire while backward is still computing the other buckets' gradients
+    assert b_start <= d_start < reduce_starts[0] < reduce_starts[-1] < d_end <= b_end
+    assert sum(start < d_end for start in reduce_starts) >= 2
+
+
+def test_no_sync_pitfalls_are_observable():
+    right = launch(_traced_step, 2, "ddp", 0.05, 2, "right", timeout=60)
+    fwd_out = launch(_traced_step, 2, "ddp", 0.05, 2, "forward_outside", timeout=60)
+    last_in = launch(_traced_step, 2, "ddp", 0.05, 1, "last_forward_inside", timeout=60)
+
+    def reduced_bytes(res):
+        return sum(s[3] for s in res["spans"] if s[0] == "all_reduce")
+
+    psi = right[0]["psi"]
+    assert reduced_bytes(right[0]) == 2 * psi
+    # forward outside no_sync: the backward inside still all-reduces -> twice the traffic, same gradients
+    assert reduced_bytes(fwd_out[0]) == 2 * 2 * psi
+    for name, g in right[0]["grads"].items():
+        torch.testing.assert_close(fwd_out[0]["grads"][name], g, atol=1e-7, rtol=1e-5)
+    # the last forward inside no_sync, its backward outside: NOTHING is all-reduced, the ranks' gradients differ
+    assert reduced_bytes(last_in[0]) == 0
+    assert any(not torch.allclose(last_in[0]["grads"][k], last_in[1]["grads"][k]) for k in right[0]["grads"])
+    # torch DDP behaves the same way in both cases (it also decides at forward time)
+    torch_fwd_out = launch(_traced_step, 2, "torch", 0.05, 2, "forward_outside", timeout=60)
+    torch_last_in = launch(_traced_step, 2, "torch", 0.05, 1, "last_forward_inside", timeout=60)
+    for r in range(2):
+        for name in right[0]["grads"]:
+            torch.testing.assert_close(torch_fwd_out[r]["grads"][name], fwd_out[r]["grads"][name], atol=1e-7, rtol=1e-5)
+            torch.testing.assert_close(torch_last_in[r]["grads"][name], last_in[r]["grads"][name], atol=1e-7, rtol=1e-5)
+
+
+class _TwoBranch(nn.Module):
+    """``b`` is used only when asked: unused everywhere, or on some ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)   # never used
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _unused(kind: str, find_unused: bool, use_b_on: tuple[int, ...]):
+    r = tdist.get_rank()
+    model = _TwoBranch()
+    wrapped = (torch.nn.parallel.DistributedDataParallel if kind == "torch" else DistributedDataParallel)(
+        model, find_unused_parameters=find_unused, bucket_cap_mb=1e-4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+    for _ in range(2):  # twice: the state is reset correctly after a step with unused parameters
+        model.zero_grad()
+        wrapped(x, r in use_b_on).pow(2).sum().backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_unused_parameter_error_names_it_and_the_fix():
+    with pytest.raises(WorkerError, match=r"never\.weight.*find_unused_parameters=True"):
+        launch(_unused, 2, "ddp", False, (0, 1), timeout=60)
+
+
+@pytest.mark.parametrize("use_b_on", [(0, 1), (0,)])
+def test_find_unused_parameters_matches_torch(use_b_on):
+    ours = launch(_unused, 2, "ddp", True, use_b_on, timeout=60)
+    theirs = launch(_unused, 2, "torch", True, use_b_on, timeout=60)
+    for r in range(2):
+        assert ours[r]["never.weight"] is None and theirs[r]["never.weight"] is None
+        assert ours[r]["b.weight"] is not None  # used by one rank at least: averaged, everyone gets it
+        for name, g in theirs[r].items():
+            if g is not None:
+                torch.testing.assert_close(ours[r][name], g, atol=1e-7, rtol=1e-6)
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self, value: float):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("stat", torch.full((3,), value))
+
+    def forward(self, x):
+        return self.lin(x) + self.stat[:2]
+
+
+def _buffers():
+    r = tdist.get_rank()
+    model = DistributedDataParallel(_WithBuffer(float(r)))
+    at_wrap = model.module.stat.clone()
+    model.module.stat.fill_(10.0 + r)  # ranks drift apart (e.g. BatchNorm running stats)...
+    model(torch.ones(1, 2))            # ...and forward broadcasts rank 0's buffers again
+    return at_wrap, model.module.stat.clone(), model.module.lin.weight.clone()
+
+
+def test_buffers_and_parameters_broadcast_from_rank_0():
+    results = launch(_buffers, 2, timeout=60)
+    for at_wrap, after_forward, weight in results:
+        assert torch.equal(at_wrap, torch.zeros(3))
+        assert torch.equal(after_forward, torch.full((3,), 10.0))
+        assert torch.equal(weight, results[0][2])
+
+
+def _bad_inputs(case: str):
+    if case == "device_ids":
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=[0])
+    elif case == "no_params":
+        DistributedDataParallel(nn.ReLU())
+    elif case == "different_models":
+        DistributedDataParallel(nn.Linear(2, 2 + tdist.get_rank()))
+
+
+@pytest.mark.parametrize("case, match", [("device_ids", "device_ids must be None"),
+                                         ("no_params", "no parameter that requires a gradient"),
+                                         ("different_models", "ranks wrapped different models")])
+def test_bad_input_errors_name_the_fix(case, match):
+    with pytest.raises(WorkerError, match=match):
+        launch(_bad_inputs, 2, case, timeout=60)
+
+
+def test_outside_process_group_names_the_fix():
+    with pytest.raises(RuntimeError, match="inside minifsdp.launch"):
+        DistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="inside minifsdp.launch"):
+        NaiveDataParallel(nn.Linear(2, 2))
