@@ -1,0 +1,706 @@
+# Lab 00 source (jupytext percent format). Build: python tools/make_labs.py
+# Writes solutions/00_collectives.ipynb and labs/00_collectives.ipynb.
+
+# %% [markdown]
+# # 00 — Collectives: how ranks talk to each other
+#
+# Every technique in this course — data parallel (DDP), ZeRO, FSDP, pipeline
+# and tensor parallelism — is ordinary single-device PyTorch glued together by
+# a handful of **collective operations**: calls that every process of a group
+# makes together, and that move or combine their tensors.
+#
+# In this lab you will
+#
+# 1. start several processes (*ranks*) from a notebook cell and get their results back;
+# 2. see what `all_reduce`, `all_gather`, `reduce_scatter` and `broadcast` do — drawn, then run on 4 ranks;
+# 3. **build** `all_gather` and `reduce_scatter` yourself out of point-to-point messages (a ring), then an all-reduce out of those two;
+# 4. measure what collectives cost: time against message size, algorithm and bus bandwidth;
+# 5. look at a run's timeline, and export it for Perfetto.
+#
+# Everything runs on CPU with the `gloo` backend; the same code runs on GPUs with `nccl`.
+
+# %%
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import minifsdp
+from minifsdp import LaunchTimeout, WorkerError, comm, dist, launch, plot, trace
+
+print(f"torch {torch.__version__}, {os.cpu_count()} CPU core(s), CUDA available: {torch.cuda.is_available()}")
+
+# %% [markdown]
+# ## 1. Ranks, and launching from a cell
+#
+# A distributed job is *N copies of the same program*, each in its own
+# process. Each copy is a **rank**, numbered `0 … N-1`; `N` is the **world
+# size**. They find each other once (the *rendezvous*), forming a **process
+# group**; from then on they can call collectives.
+#
+# `launch(fn, world_size, *args, timeout=...)` does all of that for a function
+# you define in a cell: it starts `world_size` fresh processes, initialises
+# `torch.distributed` in each, runs `fn(*args)`, and returns the list of
+# return values, indexed by rank. Inside `fn`, `minifsdp.dist` answers "who am I?":
+#
+# | call | meaning |
+# |---|---|
+# | `dist.rank()` | this process's number, `0 … world_size-1` |
+# | `dist.world_size()` | how many ranks there are |
+# | `dist.device()` | where this rank computes: `cuda:LOCAL_RANK` on GPUs, else `cpu` |
+# | `dist.backend()` | the library that moves the bytes: `nccl` between GPUs, `gloo` on CPU |
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def who_am_i():
+    return {"rank": dist.rank(), "world_size": dist.world_size(), "device": str(dist.device()),
+            "backend": dist.backend(), "pid": os.getpid()}
+
+
+results = launch(who_am_i, 4, timeout=60)
+for res in results:
+    print(f"rank {res['rank']} of {res['world_size']}: device={res['device']}, backend={res['backend']}")
+print("four different processes:", len({res["pid"] for res in results}) == 4)
+print("and this notebook is none of them:", os.getpid() not in {res["pid"] for res in results},
+      f"(here dist.rank()={dist.rank()}, dist.world_size()={dist.world_size()})")
+
+# %% [markdown]
+# Why return values instead of printing? Every rank writes to the same
+# output, so the lines of several ranks **interleave in a random order**.
+# Return what you want to look at and print it here, in rank order.
+#
+# ### When a rank fails
+#
+# If one rank raises, its peers are usually stuck in a collective, waiting
+# for a message that never comes. `launch` collects every rank's outcome,
+# re-raises the **root cause** as a `WorkerError` (naming the rank, with the
+# worker's traceback) instead of the peers' "connection reset by peer", and
+# stops the other ranks.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def fails_on_rank_2():
+    x = torch.ones(3)
+    if dist.rank() == 2:
+        raise ValueError("rank 2 found a corrupt batch")
+    comm.all_reduce(x)  # ranks 0, 1 and 3 wait here for rank 2, which never arrives
+    return x
+
+
+try:
+    launch(fails_on_rank_2, 4, timeout=30)
+except WorkerError as err:
+    print(str(err).splitlines()[0])
+    print("failed ranks:", err.ranks)
+    print("the original exception:", repr(err.__cause__))
+
+# %% [markdown]
+# A *hang* is worse than an error: a rank waiting for a message nobody sends
+# waits for the process group's timeout, which is **30 minutes** by default in
+# PyTorch. `launch` gives the whole run a deadline (`timeout=` seconds, the
+# same for the process group) and, when it passes, says which ranks were still
+# running and *where* they were. Here rank 0 waits for a message rank 1 never
+# sends:
+
+# %%
+def waits_for_a_message_never_sent():
+    if dist.rank() == 0:
+        inbox = torch.zeros(1)
+        comm.recv(inbox, src=1)  # rank 1 never calls send: this blocks forever
+    return dist.rank()
+
+
+start = time.perf_counter()
+try:
+    launch(waits_for_a_message_never_sent, 2, timeout=3)
+except LaunchTimeout as err:
+    print(f"LaunchTimeout after {time.perf_counter() - start:.1f} s; ranks still running: {err.running}")
+    print(str(err).split("\n", 1)[1])  # where each rank was (most recent call first)
+
+# %% [markdown]
+# ## 2. The four collectives
+#
+# A collective is called by **every rank of the group**, each with a tensor
+# of the **same shape**. The pictures below show who holds what before and
+# after, on 4 ranks. Each rank's tensor is cut into 4 **chunks**; rank *r*'s
+# chunk *c* holds the number `10r + c + 1`, so the tens digit tells you which
+# rank a value came from. The real runs below use the same numbers.
+#
+# ### all_reduce: everyone gets the sum
+#
+# The workhorse of data parallelism: each rank computed gradients on its own
+# part of the batch, and `all_reduce` leaves every rank with their sum.
+
+# %%
+plot.collective_diagram("all_reduce", 4)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def chunks_of_rank(n):
+    """Rank r's tensor: n chunks of one element each, chunk c holds 10r + c + 1."""
+    return torch.arange(n, dtype=torch.float32) + 10 * dist.rank() + 1
+
+
+def run_all_reduce():
+    x = chunks_of_rank(dist.world_size())
+    before = x.clone()
+    comm.all_reduce(x)  # in place: x becomes the sum over ranks
+    return before, x
+
+
+def show(results):
+    """Print what every rank held before and after (values are small integers)."""
+    for r, (before, after) in enumerate(results):
+        print(f"rank {r}: {before.int().tolist()!s:<20} -> {after.int().tolist()}")
+
+
+show(launch(run_all_reduce, 4, timeout=60))
+
+# %% [markdown]
+# ### all_gather: everyone gets everyone's chunk, in rank order
+#
+# FSDP keeps only a *shard* (1/N) of each parameter on each rank, and
+# all-gathers the full parameter just before a layer needs it.
+
+# %%
+plot.collective_diagram("all_gather", 4)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def run_all_gather():
+    r = dist.rank()
+    shard = chunks_of_rank(dist.world_size())[r:r + 1]  # rank r holds only its chunk r
+    return shard, comm.all_gather(shard)                 # a new tensor, world_size times longer
+
+
+show(launch(run_all_gather, 4, timeout=60))
+
+# %% [markdown]
+# ### reduce_scatter: sum, then rank *i* keeps chunk *i*
+#
+# The mirror image of all_gather. ZeRO-2 and FSDP use it for gradients: each
+# rank only updates its own shard of the parameters, so it only needs the
+# summed gradient *of that shard*.
+
+# %%
+plot.collective_diagram("reduce_scatter", 4)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def run_reduce_scatter():
+    x = chunks_of_rank(dist.world_size())
+    return x, comm.reduce_scatter(x)  # a new tensor, world_size times shorter
+
+
+show(launch(run_reduce_scatter, 4, timeout=60))
+
+# %% [markdown]
+# ### broadcast: everyone gets one rank's tensor
+#
+# DDP and FSDP broadcast rank 0's initial weights, so that every replica
+# starts from the same model. Here the source is rank 2.
+
+# %%
+plot.collective_diagram("broadcast", 4, src=2)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def run_broadcast(src):
+    x = chunks_of_rank(dist.world_size())
+    before = x.clone()
+    comm.broadcast(x, src=src)  # in place
+    return before, x
+
+
+show(launch(run_broadcast, 4, 2, timeout=60))
+
+# %% [markdown]
+# ### all_reduce = reduce_scatter + all_gather
+#
+# Look at the pictures again: reduce-scatter leaves each rank with one summed
+# chunk; all-gathering those chunks gives every rank every summed chunk —
+# exactly all-reduce's result. This identity is the whole trick of ZeRO and
+# FSDP: split the all-reduce in two, and do useful work (the optimizer step
+# on your shard only) *in between*, on 1/N of the data. It also costs the
+# same: the tracer records, for each call, `ring_bytes`, what one rank sends
+# with a ring algorithm (we derive it in section 3).
+#
+# Below, each rank draws random numbers, reduces them both ways, and returns
+# the largest difference and the bytes the tracer saw. (The two ways add the
+# same numbers in a different order, so float results may differ in the last
+# bit: we compare within a tolerance.)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def both_ways(numel):
+    torch.manual_seed(dist.rank())
+    x = torch.randn(numel)
+    with trace.Tracer() as tracer:
+        summed = x.clone()
+        comm.all_reduce(summed)
+        split = comm.all_gather(comm.reduce_scatter(x))
+    ring = {s.name: s.args["ring_bytes"] for s in tracer.trace.comm_spans()}
+    return (summed - split).abs().max().item(), ring
+
+
+TOLERANCE = 1e-5  # fp32 sums of 4 standard normals: order-dependent rounding is ~1e-7
+for n in (2, 4):
+    results = launch(both_ways, n, 1024, timeout=60)
+    worst = max(diff for diff, _ in results)
+    assert worst < TOLERANCE, f"all_reduce and reduce_scatter+all_gather differ by {worst}"
+    ring = results[0][1]
+    print(f"{n} ranks, a 4 KiB tensor: equal within {TOLERANCE:g} on every rank; bytes sent per rank: "
+          f"all_reduce {ring['all_reduce']}, reduce_scatter {ring['reduce_scatter']} "
+          f"+ all_gather {ring['all_gather']} = {ring['reduce_scatter'] + ring['all_gather']}")
+
+# %% [markdown]
+# ## 3. Exercise: build collectives out of messages
+#
+# Collectives are built from **point-to-point** messages: `comm.isend(t, dst)`
+# starts sending tensor `t` to rank `dst`, `comm.irecv(t, src)` starts
+# receiving into `t` from rank `src`; both return a handle whose `.wait()`
+# blocks until that transfer is done.
+#
+# The classic algorithm is the **ring**: rank *r* only ever sends to its right
+# neighbour `(r + 1) % N` and receives from its left neighbour `(r - 1) % N`.
+# The tensor is cut into N chunks, and in each of N-1 steps every rank sends
+# one chunk and receives one chunk, all at the same time, so every link is
+# busy all the time. (Start the send *and* the receive before waiting on
+# either: if every rank first waited for its send to finish, nobody would be
+# receiving — a deadlock.)
+#
+# **Ring all-gather** on 4 ranks, rank *r* starts with chunk *r*:
+#
+# | step | rank 0 sends → receives | rank 1 | rank 2 | rank 3 |
+# |---|---|---|---|---|
+# | 0 | chunk 0 → chunk 3 | 1 → 0 | 2 → 1 | 3 → 2 |
+# | 1 | chunk 3 → chunk 2 | 0 → 3 | 1 → 0 | 2 → 1 |
+# | 2 | chunk 2 → chunk 1 | 3 → 2 | 0 → 3 | 1 → 0 |
+#
+# Each rank passes on, to the right, the chunk it received in the previous
+# step. After N-1 steps everyone holds all N chunks.
+#
+# ### Exercise 1: `my_all_gather`
+#
+# Fill in the loop. `out.chunk(n)` returns *views*: receiving into
+# `chunks[i]` writes into `out`. The check cell below runs your function at
+# world sizes 2 and 4 against `comm.all_gather`, and tells you what is wrong.
+
+# %%
+def my_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D ``x`` concatenated in rank order, using only comm.isend / comm.irecv."""
+    n, r = dist.world_size(), dist.rank()
+    out = x.new_empty(n * x.numel())
+    chunks = out.chunk(n)  # views into out, one per rank
+    chunks[r].copy_(x)
+    right, left = (r + 1) % n, (r - 1) % n
+    # BEGIN SOLUTION
+    # HINT: n - 1 steps; at step s send chunks[(r - s) % n] to the right neighbour and receive
+    # HINT: chunks[(r - s - 1) % n] from the left one (comm.isend + comm.irecv, then wait on both).
+    for step in range(n - 1):
+        sending = comm.isend(chunks[(r - step) % n], right)
+        receiving = comm.irecv(chunks[(r - step - 1) % n], left)
+        sending.wait()
+        receiving.wait()
+    # END SOLUTION
+    return out
+
+
+# %%
+# CHECK: my_all_gather gives comm.all_gather's result on every rank, at world sizes 2 and 4
+COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+
+
+def used_collectives(tracer):
+    """Names of the collectives a traced call used (the exercise asks for isend/irecv only)."""
+    return sorted({s.name for s in tracer.trace.comm_spans()} & COLLECTIVES)
+
+
+def compare_all_gather(numel):
+    x = torch.arange(numel, dtype=torch.float32) + 100 * dist.rank()  # 100r, 100r+1, ...: names its rank
+    with trace.Tracer() as tracer:
+        mine = my_all_gather(x.clone())
+    return mine, comm.all_gather(x), used_collectives(tracer)
+
+
+def all_gather_problem(mine, want, used, rank, n):
+    """What is wrong with one rank's result, in words (None when it is right)."""
+    if used:
+        return f"it called comm.{used[0]}: build it from comm.isend / comm.irecv only"
+    if not isinstance(mine, torch.Tensor) or mine.shape != want.shape:
+        return (f"it returned {getattr(mine, 'shape', type(mine).__name__)}, expected shape "
+                f"{tuple(want.shape)}: one chunk of x.numel() elements per rank")
+    got, ref = mine.chunk(n), want.chunk(n)
+    for j in range(n):
+        if torch.equal(got[j], ref[j]):
+            continue
+        came_from = [i for i in range(n) if torch.equal(got[j], ref[i])]
+        if came_from:
+            return (f"chunk {j} holds rank {came_from[0]}'s data: wrong chunk order, chunk j must "
+                    "come from rank j (check which chunk you receive into at each step)")
+        return (f"chunk {j} (rank {j}'s data) never arrived: did all n - 1 steps run, "
+                "and did you wait() on every irecv before returning?")
+    return None
+
+
+for n in (2, 4):
+    for r, (mine, want, used) in enumerate(launch(compare_all_gather, n, 3, timeout=30)):
+        problem = all_gather_problem(mine, want, used, r, n)
+        assert problem is None, f"my_all_gather at world size {n}, rank {r}: {problem}"
+print("my_all_gather matches comm.all_gather at world sizes 2 and 4")
+
+# %% [markdown]
+# ### Exercise 2: `my_reduce_scatter`
+#
+# The same ring, but instead of *copying* what arrives, each rank **adds** it
+# to its own copy of that chunk, and passes the growing partial sum on. Rank
+# *r* starts by sending its chunk `r - 1`; at step *s* it sends chunk
+# `(r - s - 1) % N` and receives chunk `(r - s - 2) % N`, which it adds to its
+# own. After N-1 steps, the chunk it received last — chunk *r* — holds the
+# contributions of all N ranks.
+#
+# | step | rank 0 sends → adds into | rank 1 | rank 2 | rank 3 |
+# |---|---|---|---|---|
+# | 0 | chunk 3 → chunk 2 | 0 → 3 | 1 → 0 | 2 → 1 |
+# | 1 | chunk 2 → chunk 1 | 3 → 2 | 0 → 3 | 1 → 0 |
+# | 2 | chunk 1 → chunk 0 | 2 → 1 | 3 → 2 | 0 → 3 |
+#
+# The check cell tells you if a chunk ends up on the wrong rank, or with
+# some rank's contribution missing or counted twice.
+
+# %%
+def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    """Chunk ``rank`` of the sum over ranks of the 1-D ``x``, using only comm.isend / comm.irecv."""
+    n, r = dist.world_size(), dist.rank()
+    if x.numel() % n:
+        raise ValueError(f"my_reduce_scatter: x has {x.numel()} elements, not a multiple of the "
+                         f"world size {n}; pad it first (comm.pad_to_multiple)")
+    acc = x.clone()        # our running partial sums; we must not modify the caller's tensor
+    chunks = acc.chunk(n)  # views into acc
+    incoming = torch.empty_like(chunks[0])
+    right, left = (r + 1) % n, (r - 1) % n
+    # BEGIN SOLUTION
+    # HINT: n - 1 steps; at step s isend chunks[(r - s - 1) % n] to the right, irecv into `incoming`
+    # HINT: from the left, wait on both, then add `incoming` into chunks[(r - s - 2) % n].
+    for step in range(n - 1):
+        sending = comm.isend(chunks[(r - step - 1) % n], right)
+        receiving = comm.irecv(incoming, left)
+        sending.wait()
+        receiving.wait()
+        chunks[(r - step - 2) % n].add_(incoming)
+    # END SOLUTION
+    return chunks[r].clone()
+
+
+# %%
+# CHECK: my_reduce_scatter gives comm.reduce_scatter's result on every rank, at world sizes 2 and 4
+def compare_reduce_scatter(numel):
+    # Element k of rank r is (k + 1) * 10**r: in a sum, the decimal digits say which ranks contributed.
+    x = torch.arange(1, numel + 1, dtype=torch.float64) * 10 ** dist.rank()
+    with trace.Tracer() as tracer:
+        mine = my_reduce_scatter(x)
+    return mine, comm.reduce_scatter(x), used_collectives(tracer)
+
+
+def contributions(values, base):
+    """Which ranks' data is in ``values``, read from the decimal digits (None if not a clean sum)."""
+    ratio = values / base
+    if not torch.all(ratio == ratio[0]) or ratio[0] != ratio[0].round() or ratio[0] < 0:
+        return None
+    return [int(d) for d in reversed(str(int(ratio[0].item())))]  # digit i = times rank i was added
+
+
+def reduce_scatter_problem(mine, want, used, rank, n, numel):
+    if used:
+        return f"it called comm.{used[0]}: build it from comm.isend / comm.irecv only"
+    if not isinstance(mine, torch.Tensor) or mine.shape != want.shape:
+        return (f"it returned {getattr(mine, 'shape', type(mine).__name__)}, expected shape "
+                f"{tuple(want.shape)}: this rank's chunk, x.numel() / world_size elements")
+    if torch.equal(mine, want):
+        return None
+    bases = torch.arange(1, numel + 1, dtype=torch.float64).chunk(n)
+    for j in [rank] + [j for j in range(n) if j != rank]:
+        digits = contributions(mine, bases[j])
+        if digits is None:
+            continue
+        digits += [0] * (n - len(digits))
+        where = "" if j == rank else f"it holds chunk {j} instead of chunk {rank} (shift the chunk indices); "
+        if digits == [1] * n:
+            return where + "the sum itself is right"
+        if digits == [1 if i == rank else 0 for i in range(n)]:
+            return where + "nothing was added to this rank's own data: run n - 1 steps, adding each incoming chunk"
+        missing = [i for i in range(n) if digits[i] == 0]
+        twice = [i for i in range(n) if digits[i] > 1]
+        problems = []
+        if missing:
+            problems.append(f"ranks {missing} are missing from the sum"
+                            + (" (this rank's own data too: add_ the incoming chunk, don't copy_ it)"
+                               if rank in missing else " (did all n - 1 steps run?)"))
+        if twice:
+            problems.append(f"ranks {twice} are counted more than once (add each incoming chunk once)")
+        return where + "; ".join(problems)
+    return ("the values are not a sum of whole chunks: check that you add `incoming` after waiting on "
+            "the irecv, and into the chunk that just arrived")
+
+
+for n in (2, 4):
+    for r, (mine, want, used) in enumerate(launch(compare_reduce_scatter, n, 8, timeout=30)):
+        problem = reduce_scatter_problem(mine, want, used, r, n, 8)
+        assert problem is None, f"my_reduce_scatter at world size {n}, rank {r}: {problem}"
+print("my_reduce_scatter matches comm.reduce_scatter at world sizes 2 and 4")
+
+# %% [markdown]
+# ### Exercise 3: a ring all-reduce, and what it sends
+#
+# With the identity of section 2, a ring all-reduce is your reduce-scatter
+# followed by your all-gather. How many bytes does **one rank send** for a
+# tensor of S bytes on N ranks? In each of the two halves it sends N-1 chunks
+# of S/N bytes. Write both; the check cell runs your all-reduce under a
+# tracer, adds up the bytes of every `send` it recorded, and holds them
+# against your formula and against the `ring_bytes` that `comm.all_reduce`
+# records for a tensor of the same size.
+
+# %%
+def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of the 1-D ``x`` (numel divisible by the world size), on every rank."""
+    # BEGIN SOLUTION
+    # HINT: all_reduce = reduce_scatter + all_gather: one line, with your two functions.
+    return my_all_gather(my_reduce_scatter(x))
+    # END SOLUTION
+
+
+def ring_bytes_sent(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of an ``nbytes`` tensor over ``world_size`` ranks."""
+    # BEGIN SOLUTION
+    # HINT: two halves, each n - 1 chunks of nbytes / n bytes.
+    return 2 * (world_size - 1) * nbytes // world_size
+    # END SOLUTION
+
+
+# %%
+# CHECK: my_all_reduce sums like comm.all_reduce, and ring_bytes_sent counts what a rank really sends
+def compare_all_reduce(numel):
+    torch.manual_seed(dist.rank())
+    x = torch.randn(numel)
+    with trace.Tracer() as mine_traced:
+        mine = my_all_reduce(x)
+    with trace.Tracer() as real_traced:
+        want = x.clone()
+        comm.all_reduce(want)
+    sent = sum(s.args["bytes"] for s in mine_traced.trace.comm_spans() if s.name == "send")
+    real_ring = sum(s.args["ring_bytes"] for s in real_traced.trace.comm_spans())
+    return (mine - want).abs().max().item(), sent, real_ring, used_collectives(mine_traced)
+
+
+NUMEL = 3 * 1024  # 12 KiB of fp32, divisible by 2, 3 and 4
+TOLERANCE = 1e-5  # fp32: the ring adds in another order than gloo
+for n in (2, 4):
+    for r, (diff, sent, real_ring, used) in enumerate(launch(compare_all_reduce, n, NUMEL, timeout=30)):
+        where = f"world size {n}, rank {r}"
+        assert not used, f"{where}: my_all_reduce called comm.{used[0]}; use your ring functions"
+        assert diff < TOLERANCE, (f"{where}: my_all_reduce differs from comm.all_reduce by {diff:.3g}; "
+                                  "did you call my_reduce_scatter first, then my_all_gather on its result?")
+        formula = ring_bytes_sent(NUMEL * 4, n)
+        assert formula != 2 * NUMEL * 4, (f"{where}: ring_bytes_sent returned 2S, the all-reduce *volume*; "
+                                          "a rank never sends the chunk it keeps: (n - 1) / n of that")
+        assert formula == sent, (f"{where}: ring_bytes_sent says {formula} bytes but your ring sent {sent}: "
+                                 "count n - 1 chunks of S / n bytes in each of the two halves")
+        assert sent == real_ring, f"{where}: your ring sent {sent} bytes, the tracer's ring_bytes say {real_ring}"
+    print(f"{n} ranks, S = {NUMEL * 4} bytes: each rank sent {sent} bytes = 2(N-1)/N·S "
+          f"= comm.all_reduce's ring_bytes; result within {TOLERANCE:g} of comm.all_reduce")
+
+# %% [markdown]
+# Notice: the bytes a rank sends, `2(N-1)/N · S`, *barely depend on N* — just
+# under `2S` however many ranks there are. That is why ring all-reduce scales:
+# adding ranks adds steps, not bytes per link.
+#
+# ## 4. What a collective costs
+#
+# A simple model (α-β, or *latency-bandwidth*): a call that moves S bytes takes
+#
+# $$ t(S) \approx \alpha + S / B $$
+#
+# where α is a fixed latency per call (software, synchronisation, the first
+# byte's trip) and B a bandwidth. Small messages are **latency-bound** (t
+# barely changes with S), large ones **bandwidth-bound** (t grows with S).
+#
+# Two bandwidths are reported by NVIDIA's `nccl-tests`, and by us:
+#
+# * **algorithm bandwidth** `algbw = S / t`, with S the full tensor (the
+#   all-reduce buffer, the all-gather output, the reduce-scatter input). It
+#   says how fast *your* tensor got done, but it changes with the collective
+#   and with N even on the same wires.
+# * **bus bandwidth** `busbw = algbw × factor`, with factor `2(N-1)/N` for
+#   all-reduce and `(N-1)/N` for all-gather and reduce-scatter — the bytes one
+#   rank actually puts on its link per second with a ring (`ring_bytes / t`,
+#   exactly what you counted in exercise 3). It is comparable across
+#   collectives and world sizes, and against the hardware's link speed.
+#
+# The cell below times the three collectives from 4 KiB to 16 MiB at world
+# sizes 2 and 4, from the tracer's comm spans. Before each timed call a
+# barrier lines the ranks up, so that we time the collective and not the wait
+# for a late rank; the time of a call is the slowest rank's (when the last
+# rank has its result); we keep the median over repeats.
+
+# %%
+SIZES = [4 * 1024 * 4 ** k for k in range(7)]  # 4 KiB ... 16 MiB, bytes of fp32
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+REPEATS = 5
+
+
+def time_collectives(sizes, repeats):
+    n = dist.world_size()
+    tracer = trace.Tracer()
+    for nbytes in sizes:
+        full, shard = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // n)
+        for rep in range(repeats + 1):  # rep 0 is a warm-up (buffers, connections), not recorded
+            for op in OPS:
+                comm.barrier()
+                with (tracer if rep else trace.Tracer()):
+                    if op == "all_reduce":
+                        comm.all_reduce(full)
+                    elif op == "all_gather":
+                        comm.all_gather_into_tensor(full, shard)
+                    else:
+                        comm.reduce_scatter_tensor(shard, full)
+    return tracer.trace
+
+
+rows = []  # one per timed call: op, world size, S, ring bytes, seconds (slowest rank)
+for n in (2, 4):
+    traces = launch(time_collectives, n, SIZES, REPEATS, timeout=120)
+    calls = [[s for s in tr.comm_spans() if s.name in OPS] for tr in traces]
+    for same_call in zip(*calls):  # the i-th call of every rank
+        s = same_call[0]
+        rows.append({"op": s.name, "world_size": n, "bytes": s.args["numel"] * 4,
+                     "ring_bytes": s.args["ring_bytes"], "seconds": max(c.duration for c in same_call)})
+print(f"{len(rows)} timed calls")
+
+# %%
+plot.bandwidth(rows, title="time per call vs tensor size S (dotted: constant algbw = S / t)")
+
+# %%
+def median_row(op, n, nbytes):
+    times = [r["seconds"] for r in rows if (r["op"], r["world_size"], r["bytes"]) == (op, n, nbytes)]
+    ring = next(r["ring_bytes"] for r in rows if (r["op"], r["world_size"], r["bytes"]) == (op, n, nbytes))
+    return statistics.median(times), ring
+
+
+print(f"{'collective':<15}{'ranks':>6}{'S':>10}{'time':>11}{'algbw':>12}{'busbw':>12}")
+for op in OPS:
+    for n in (2, 4):
+        for nbytes in (SIZES[0], SIZES[-1]):
+            t, ring = median_row(op, n, nbytes)
+            print(f"{op:<15}{n:>6}{plot.human_bytes(nbytes):>10}{t * 1e3:>9.2f} ms"
+                  f"{nbytes / t / 1e9:>8.3f} GB/s{ring / t / 1e9:>8.3f} GB/s")
+
+# %% [markdown]
+# Fitting the α-β model to the all-reduce points (least squares on the
+# measured medians, weighted by 1/t so that small messages count as much as
+# large ones) gives this machine's latency per call and bus bandwidth:
+
+# %%
+for n in (2, 4):
+    x = np.array([median_row("all_reduce", n, s)[1] for s in SIZES], dtype=float)  # ring bytes
+    t = np.array([median_row("all_reduce", n, s)[0] for s in SIZES])
+    inv_bw, alpha = np.polyfit(x, t, 1, w=1 / t)
+    bw = f"{1 / inv_bw / 1e9:.2f} GB/s" if inv_bw > 0 else "not measurable (no growth with size)"
+    print(f"all_reduce, {n} ranks: alpha = {alpha * 1e6:.0f} us per call, bus bandwidth B = {bw}")
+print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
+
+# %% [markdown]
+# How to read this:
+#
+# * On the plot, a line parallel to the dotted diagonals is bandwidth-bound;
+#   a flat one latency-bound. Where does each curve bend?
+# * Here the "network" is memory copies between processes on one machine,
+#   and the ranks share the CPU cores printed above: when there are more ranks
+#   than cores, ranks wait for a core, and the latency of small messages grows.
+# * On GPUs with NVLink, nccl-tests reports bus bandwidths close to the link
+#   speed for large messages — that is the number to compare with the
+#   hardware's spec, and the one the cost formulas of later labs use.
+# * FSDP's all-gathers are one layer's parameters at a time: on which part
+#   of this curve do they fall for a small model? This is why FSDP groups
+#   parameters into *flat* buffers rather than one collective per tensor.
+#
+# ## 5. A run's timeline
+#
+# The tracer records compute spans too (`trace.span("forward")`). Here is a
+# toy data-parallel step on 2 ranks: forward, backward, all-reduce the
+# gradient, optimizer step. To make the picture interesting, rank 1 gets 3
+# times as much data as rank 0. A first, untraced step warms up (the first
+# call of anything in a fresh process is slow), and a barrier lines the ranks
+# up before the traced steps.
+
+# %%
+def toy_data_parallel(steps, dim, rows):
+    torch.manual_seed(0)  # the same initial weights on every rank
+    w = torch.randn(dim, dim, requires_grad=True)
+    batches = [torch.randn(rows * (1 + 2 * dist.rank()), dim) for _ in range(steps + 1)]  # uneven on purpose
+    tracer = trace.Tracer()
+    for step, x in enumerate(batches):
+        if step == 1:
+            comm.barrier()  # start the traced steps together
+        with (tracer if step else trace.Tracer()):  # step 0: warm-up, not recorded
+            with trace.span("forward", step=step):
+                loss = (x @ w).tanh().square().mean()
+            with trace.span("backward", step=step):
+                loss.backward()
+            comm.all_reduce(w.grad)  # sum of the gradients of all ranks
+            with trace.span("optimizer", step=step):
+                with torch.no_grad():
+                    w -= 0.01 * w.grad / dist.world_size()
+                w.grad = None
+    return tracer.trace
+
+
+traces = launch(toy_data_parallel, 2, 3, 256, 1024, timeout=60)
+plot.timeline(traces, title="toy data parallel, 2 ranks, 3 steps (rank 1 has 3x the data)")
+
+# %%
+for tr in traces:
+    compute = sum(s.duration for s in tr.compute_spans())
+    inside = sum(s.duration for s in tr.comm_spans() if s.name == "all_reduce")
+    print(f"rank {tr.rank}: compute {compute * 1e3:6.1f} ms, inside all_reduce {inside * 1e3:6.1f} ms")
+
+# %% [markdown]
+# A collective ends for everyone only when the *slowest* rank has arrived: the
+# ranks with less work spend their spare time inside `all_reduce`, waiting
+# (compare the two columns above). A comm span measures waiting plus moving.
+# Balanced work across ranks matters as much as fast links.
+#
+# ### Open it in Perfetto
+#
+# The same traces export to the Chrome trace-event format: one process per
+# rank, a compute lane and a comm lane each. Open the file at
+# <https://ui.perfetto.dev> ("Open trace file") or in `chrome://tracing`,
+# zoom with W/S, click a span to see its bytes and group size.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+out_dir = Path("runs") / "00_collectives"  # runs/ is git-ignored
+out_dir.mkdir(parents=True, exist_ok=True)
+path = trace.save_chrome_trace(traces, out_dir / "trace.json")
+events = trace.to_chrome_trace(traces)["traceEvents"]
+spans = [e for e in events if e["ph"] == "X"]
+print(f"wrote {path}: {len(spans)} spans from {len({e['pid'] for e in spans})} ranks")
+for name in ("forward", "backward", "all_reduce", "optimizer"):  # 3 steps x 2 ranks
+    print(f"  {name}: {sum(e['name'] == name for e in spans)} spans")
+
+# %% [markdown]
+# ## Summary
+#
+# * `launch(fn, N)` runs `fn` on N ranks and returns their results; errors
+#   come back with the failing rank's traceback, hangs end at the timeout.
+# * all_reduce (everyone gets the sum), all_gather (everyone gets every
+#   chunk), reduce_scatter (everyone gets one summed chunk), broadcast
+#   (everyone gets one rank's tensor).
+# * all_reduce = reduce_scatter + all_gather, at the same cost: a ring sends
+#   `2(N-1)/N · S` bytes per rank for an all-reduce, `(N-1)/N · S` for each half.
+# * Time is latency plus bytes over bandwidth; bus bandwidth is the number
+#   that compares with the wires.
+#
+# Next: **01 — memory anatomy**, where the bytes of a training step live.
