@@ -132,7 +132,7 @@ def _check(op: str, bufs: tuple[torch.Tensor, ...], rank: int, n: int) -> None:
         raise AssertionError(f"{op} on rank {rank} returned a wrong result")
 
 
-def _worker(sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+def _worker(sizes: Sequence[int], repeats: int, t_launch: float) -> dict[str, Any]:
     from .memory import MemoryTracker
 
     # torch 2.13 nudges *_tensor collectives towards *_single names on every call; noise here.
@@ -146,6 +146,7 @@ def _worker(sizes: Sequence[int], repeats: int) -> dict[str, Any]:
     with tracker:
         torch.zeros(1, device=device)
     comm.barrier()  # untraced: ranks start the traced part together
+    t_ready = time.perf_counter()  # perf_counter is one clock for all processes of a machine
     tracer = trace.Tracer(rank=rank, device=str(device), backend=dist.backend())
     results: list[dict[str, Any]] = []
     ops = [op for op in OPS if not (op == "send/recv" and n == 1)]
@@ -185,6 +186,7 @@ def _worker(sizes: Sequence[int], repeats: int) -> dict[str, Any]:
                 del bufs
                 tracker.snapshot(f"{op} {size} freed")
     return {"trace": tracer.trace, "results": results, "peak_bytes": tracker.peak_total,
+            "startup_s": t_ready - t_launch, "collectives_s": time.perf_counter() - t_ready,
             "device": str(device), "backend": dist.backend()}
 
 
@@ -232,10 +234,13 @@ def run_demo(world_size: int = 2, out: str = "runs/demo", sizes: Sequence[int] =
     t_start = time.perf_counter()
     say(f"[1/4] launching {world_size} rank(s) (backend {dist.default_backend()}): "
         f"{', '.join(OPS)} at {', '.join(_human(s) for s in sizes)}, {repeats} timed calls each")
-    outputs = launch(_worker, world_size, list(sizes), repeats, timeout=timeout)
+    outputs = launch(_worker, world_size, list(sizes), repeats, time.perf_counter(), timeout=timeout)
     traces = [o["trace"] for o in outputs]
     results = [r for o in outputs for r in o["results"]]
-    say(f"[2/4] ran in {time.perf_counter() - t_start:.1f} s; per op and size (median of {repeats}):")
+    startup = max(o["startup_s"] for o in outputs)
+    say(f"[2/4] done in {time.perf_counter() - t_start:.1f} s: start-up {startup:.1f} s (processes, "
+        f"imports, process group), collectives {max(o['collectives_s'] for o in outputs):.1f} s. "
+        f"Median of {repeats} calls:")
     rows = summary_rows(results, world_size)
     say(format_table(rows, world_size))
 
@@ -243,6 +248,7 @@ def run_demo(world_size: int = 2, out: str = "runs/demo", sizes: Sequence[int] =
     summary = {"world_size": world_size, "device": outputs[0]["device"], "backend": outputs[0]["backend"],
                "sizes": list(sizes), "repeats": repeats, "dtype": "float32",
                "peak_bytes_by_rank": [o["peak_bytes"] for o in outputs],
+               "startup_s": startup, "collectives_s": [o["collectives_s"] for o in outputs],
                "rows": rows, "results": results}
     paths = {name: os.path.join(out, name) for name in
              ("trace.json", "summary.json", "timeline.png", "memory.png", "bandwidth.png")}

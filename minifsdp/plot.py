@@ -25,6 +25,7 @@ whatever backend the notebook uses. Pass ``ax=`` to draw into your own
 
 from __future__ import annotations
 
+import bisect
 import io
 import statistics
 import zlib
@@ -144,8 +145,50 @@ def _span_labels(s: Any) -> list[str]:
     return [s.name]
 
 
+def _place_labels(ax: Axes, spans: list[Any], depths: list[int], t0: float, window: tuple[float, float],
+                  y: float, char_ms: float, budget: int) -> int:
+    """Label the bars of one lane where the text fits; returns how many labels were drawn.
+
+    Innermost spans first. A span's label goes in the widest stretch of its
+    visible bar that no deeper bar and no earlier label covers (so "step"
+    is written in a gap between "forward" and "backward", not across them),
+    using the longest text candidate that fits there (``_span_labels``).
+    """
+    lo, hi = window
+    ms = [(max((s.start - t0) * 1e3, lo), min((s.end - t0) * 1e3, hi)) for s in spans]
+    by_start = sorted(range(len(spans)), key=lambda i: ms[i][0])
+    starts = [ms[i][0] for i in by_start]
+    placed: list[tuple[float, float]] = []
+    for i in sorted(range(len(spans)), key=lambda i: -depths[i]):
+        if len(placed) >= budget:
+            break
+        x0, x1 = ms[i]
+        texts = _span_labels(spans[i])
+        if x1 - x0 < char_ms * (min(len(t) for t in texts) + 1):
+            continue  # too narrow for any label: skip the search below
+        # children start inside the parent (nesting): find them by bisection
+        j0, j1 = bisect.bisect_left(starts, x0), bisect.bisect_right(starts, x1)
+        taken = [ms[k] for k in by_start[j0:j1] if depths[k] > depths[i]]
+        taken += [p for p in placed if p[1] > x0 and p[0] < x1]
+        gaps, cursor = [], x0
+        for a, b in sorted(taken):
+            if a > cursor:
+                gaps.append((cursor, a))
+            cursor = max(cursor, b)
+        gaps.append((cursor, x1))
+        g0, g1 = max(gaps, key=lambda g: g[1] - g[0])
+        for text in texts:
+            width = char_ms * (len(text) + 1)
+            if width <= g1 - g0:
+                mid = (g0 + g1) / 2
+                ax.text(mid, y, text, ha="center", va="center", fontsize=7, zorder=20, clip_on=True)
+                placed.append((mid - width / 2, mid + width / 2))
+                break
+    return len(placed)
+
+
 def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str | None = None,
-             max_labels: int = 400) -> Figure:
+             window: tuple[float, float] | None = None, max_labels: int = 400) -> Figure:
     """One row per rank, two lanes each (compute above, comm below), every span a bar.
 
     Bars are coloured by name (each collective its own colour, see
@@ -153,6 +196,8 @@ def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str
     collectives the bytes moved (the ``bytes`` the tracer recorded: the
     ZeRO-paper volume, e.g. 2x the tensor for all_reduce). Time is in
     milliseconds from the earliest event of any rank, so ranks line up.
+    ``window=(start_ms, end_ms)`` zooms in (e.g. past a slow first step):
+    only spans that overlap it are drawn, and labels are fitted to it.
 
         >>> fig = timeline([tr0, tr1], title="DDP, 2 ranks")   # doctest: +SKIP
         >>> fig.savefig("timeline.png")                         # doctest: +SKIP
@@ -161,14 +206,16 @@ def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str
     fig, ax = _new_axes(ax, (12, 0.9 + 1.1 * max(len(traces), 1)))
     t0 = _t0(traces)
     t_end = max((s.end for t in traces for s in t.spans), default=t0 + 1e-3)
-    span_ms = max((t_end - t0) * 1e3, 1e-3)
-    ax.set_xlim(0, span_ms * 1.01)
+    lo_ms, hi_ms = window if window is not None else (0.0, max((t_end - t0) * 1e3, 1e-3) * 1.01)
+    if not hi_ms > lo_ms:
+        raise ValueError(f"timeline(): window must be (start_ms, end_ms) with end > start; got {window}")
+    ax.set_xlim(lo_ms, hi_ms)
 
     # Where there is room for a label: the bar's width in pixels against the
     # text's (about 0.6 em per character). Measured once, from the axes size.
     fig_w_in = fig.get_size_inches()[0]
     axes_px = fig_w_in * fig.dpi * ax.get_position().width * 0.85
-    px_per_ms = axes_px / (span_ms * 1.01)
+    px_per_ms = axes_px / (hi_ms - lo_ms)
     char_px = 0.6 * 7 * fig.dpi / 72
 
     lane_h, yticks, ylabels, seen_names = 0.8, [], [], {}
@@ -178,7 +225,8 @@ def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str
             y = row * 2.6 + lane_i * 1.0
             yticks.append(y + lane_h / 2)
             ylabels.append(f"rank {tr.rank} {kind}")
-            spans = [s for s in tr.spans if (s.kind == COMM) == (kind == COMM)]
+            spans = [s for s in tr.spans if (s.kind == COMM) == (kind == COMM)
+                     and (s.end - t0) * 1e3 >= lo_ms and (s.start - t0) * 1e3 <= hi_ms]
             depths = _depths(spans)
             # One collection per (name, depth): thousands of spans stay fast to draw.
             groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -190,14 +238,8 @@ def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str
                                       edgecolors="white", linewidth=0.3, zorder=2 + d)
                 coll.set_gid("minifsdp-span")  # tests and users can find the bars
                 seen_names.setdefault(name, kind)
-            for s, d in zip(spans, depths):
-                width_px = s.duration * 1e3 * px_per_ms
-                fits = [t for t in _span_labels(s) if width_px > char_px * (len(t) + 1)]
-                if labels_drawn < max_labels and fits:
-                    text = fits[0]
-                    ax.text((s.start - t0) * 1e3 + s.duration * 1e3 / 2, y + lane_h / 2, text,
-                            ha="center", va="center", fontsize=7, zorder=10 + d, clip_on=True)
-                    labels_drawn += 1
+            labels_drawn += _place_labels(ax, spans, depths, t0, (lo_ms, hi_ms), y + lane_h / 2,
+                                          char_px / px_per_ms, max_labels - labels_drawn)
 
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(max(yticks, default=0) + 0.8, -0.4)  # rank 0 on top

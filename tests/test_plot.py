@@ -113,6 +113,17 @@ def test_timeline_nested_spans_drawn_thinner_on_top():
                          Span("d", COMPUTE, 11, 12)]) == [0, 1, 1, 0]
 
 
+def test_timeline_window_draws_only_overlapping_spans():
+    traces = _synthetic_traces()
+    fig = plot.timeline(traces, window=(33.0, 50.0))
+    overlapping = [s for t in traces for s in t.spans
+                   if (s.end - 100.0) * 1e3 >= 33.0 and (s.start - 100.0) * 1e3 <= 50.0]
+    assert len(_bars(fig)) == len(overlapping) == 5  # step, backward, all_reduce x2, all_gather
+    assert fig.axes[0].get_xlim() == (33.0, 50.0)
+    with pytest.raises(ValueError, match="end > start"):
+        plot.timeline(traces, window=(5.0, 5.0))
+
+
 def test_timeline_into_given_axes_and_empty_trace():
     base = plot.Figure()
     ax = base.add_subplot()
