@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 import torch.distributed as tdist
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 
 from minifsdp import comm, launch, plot
@@ -111,6 +112,26 @@ def test_timeline_nested_spans_drawn_thinner_on_top():
     assert heights == [0.6, 0.8]  # "step" full height, spans inside it 3/4
     assert plot._depths([Span("a", COMPUTE, 0, 10), Span("b", COMPUTE, 1, 2), Span("c", COMPUTE, 3, 4),
                          Span("d", COMPUTE, 11, 12)]) == [0, 1, 1, 0]
+
+
+def test_timeline_labels_never_overprint():
+    # a DDP-like step: step > forward, backward > ddp.backward, optimizer; with gaps in the step
+    t, spans = 0.0, []
+    for k in range(3):
+        b = t + k * 0.1
+        spans += [Span("step", COMPUTE, b, b + 0.09), Span("forward", COMPUTE, b + 0.01, b + 0.03),
+                  Span("backward", COMPUTE, b + 0.03, b + 0.07), Span("ddp.backward", COMPUTE, b + 0.035, b + 0.065),
+                  Span("optimizer", COMPUTE, b + 0.07, b + 0.085),
+                  Span("all_reduce", COMM, b + 0.04, b + 0.07, {"bytes": 3 * MiB})]
+    fig = plot.timeline(Trace(rank=0, spans=spans), window=(0.0, 190.0))
+    FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    boxes = [(t.get_text(), t.get_window_extent()) for t in fig.axes[0].texts]
+    # "backward" is hidden by its child but for 5 ms slivers: no room, no label
+    assert {"step", "forward", "ddp.backward", "optimizer", "all_reduce 3.0 MiB"} <= {b[0] for b in boxes}
+    for i, (ta, a) in enumerate(boxes):
+        for tb, b in boxes[i + 1:]:
+            assert not a.overlaps(b), (ta, tb)
 
 
 def test_timeline_window_draws_only_overlapping_spans():
