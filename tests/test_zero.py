@@ -333,3 +333,70 @@ def test_inside_subgroups(stage):
     for a, b in zip(results[:2], results[2:]):
         assert a["owned_bytes"] == b["owned_bytes"]
         _assert_same_params(b["params"], a["params"], atol=0)
+
+
+def _torch_zero_worker(stage):
+    """Ours next to PyTorch's own ZeRO-1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    ours_module, theirs_module = _build("gpt-tiny"), _build("gpt-tiny")
+    ours, ours_opt = wrap_zero(ours_module, stage, lr=LR, weight_decay=WD, eps=EPS)
+    theirs = DistributedDataParallel(theirs_module)
+    theirs_opt = ZeroRedundancyOptimizer(theirs_module.parameters(), optimizer_class=torch.optim.AdamW,
+                                         lr=LR, weight_decay=WD, eps=EPS)
+    rows = slice(r * B // n, (r + 1) * B // n)
+    for step in range(STEPS):
+        for model, opt in ((ours, ours_opt), (theirs, theirs_opt)):
+            _loss("gpt-tiny", model, *_batch("gpt-tiny", step, rows)).backward()
+            opt.step()
+            opt.zero_grad()
+    ours_opt.consolidate_state_dict(0)
+    theirs_opt.consolidate_state_dict(0)
+    states = (ours_opt.state_dict(), theirs_opt.state_dict()) if r == 0 else None
+    return {"ours": {k: v.clone() for k, v in ours_module.state_dict().items()},
+            "theirs": {k: v.clone() for k, v in theirs_module.state_dict().items()}, "states": states}
+
+
+@pytest.mark.parametrize("stage,n", [(1, 2), (2, 3)])
+def test_matches_torch_zero_redundancy_optimizer(stage, n):
+    results = launch(_torch_zero_worker, n, stage, timeout=120)
+    for out in results:
+        _assert_same_params(out["ours"], out["theirs"])
+    ours, theirs = results[0]["states"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for i, s in theirs["state"].items():
+        assert torch.equal(ours["state"][i]["step"], s["step"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours["state"][i][k], s[k], atol=STATE_ATOL, rtol=0)
+
+
+def _peak_grad_worker(bound):
+    """Exact gradient bytes held during ZeRO-2's backward, read after each gradient's hook."""
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    module = _build("gpt-tiny")
+    opt = OSS(module.parameters(), lr=LR)
+    model = ShardedDataParallel(module, opt, max_inflight_bytes=bound)
+    params = list(module.parameters())
+    peak = [0]
+
+    def measure(_):  # registered after ShardedDataParallel's hook, so it runs after it
+        peak[0] = max(peak[0], sum(q.grad.numel() * 4 for q in params if q.grad is not None))
+    for p in params:
+        p.register_post_accumulate_grad_hook(measure)
+    rows = slice(r * B // n, (r + 1) * B // n)
+    for step in range(2):
+        _loss("gpt-tiny", model, *_batch("gpt-tiny", step, rows)).backward()
+        opt.step()
+        opt.zero_grad()
+    return peak[0], sum(p.numel() * 4 for p in opt.local_params), max(p.numel() * 4 for p in params)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero2_gradient_memory_during_backward_is_bounded(n):
+    """max_inflight_bytes=0: never more than the owned shard; 8 KiB: at most shard + 8 KiB + one gradient."""
+    for owned_peak, owned, _ in launch(_peak_grad_worker, n, 0, timeout=120):
+        assert owned_peak == owned
+    for peak, owned, biggest in launch(_peak_grad_worker, n, 8192, timeout=120):
+        assert owned <= peak <= owned + 8192 + biggest

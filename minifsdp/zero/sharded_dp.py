@@ -77,13 +77,18 @@ class ShardedDataParallel(nn.Module):
     Arguments follow FairScale: ``ShardedDataParallel(module, sharded_optimizer,
     process_group=None, broadcast_buffers=True, sync_models_at_startup=True)``,
     plus ``shard_gradients`` (False: all-reduce every gradient and keep it,
-    i.e. ZeRO-1 with the same wrapper). At wrap time rank 0's parameters (and
-    buffers) are broadcast so every rank starts from the same model.
+    i.e. ZeRO-1 with the same wrapper) and ``max_inflight_bytes``: at most
+    this many bytes of gradients owned by other ranks wait for their reduce
+    at any time (0: reduce each one synchronously), so during backward a
+    rank holds at most its own shard + this + one gradient. At wrap time
+    rank 0's parameters (and buffers) are broadcast so every rank starts
+    from the same model.
     """
 
     def __init__(self, module: nn.Module, sharded_optimizer: OSS | list[OSS],
                  process_group: ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 sync_models_at_startup: bool = True, shard_gradients: bool = True):
+                 sync_models_at_startup: bool = True, shard_gradients: bool = True,
+                 max_inflight_bytes: int = 2**22):
         super().__init__()
         optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
         if not optimizers or not all(isinstance(o, OSS) for o in optimizers):
@@ -93,7 +98,7 @@ class ShardedDataParallel(nn.Module):
         self.sharded_optimizers = list(optimizers)
         self.group = process_group if process_group is not None else optimizers[0].group
         self.rank, self.world_size = dist.rank(self.group), dist.world_size(self.group)
-        self.shard_gradients = shard_gradients
+        self.shard_gradients, self.max_inflight_bytes = shard_gradients, max_inflight_bytes
         owner: dict[torch.Tensor, int] = {}
         for o in optimizers:
             owner.update(o.param_to_rank)
@@ -144,21 +149,28 @@ class ShardedDataParallel(nn.Module):
         else:
             handle = comm.all_reduce(p.grad, group=self.group, async_op=True)
         self._in_flight.append((p, handle))
-        self._release(only_completed=True)  # free what has arrived: memory stays near 1/N during backward
+        # Free what has arrived; if too many bytes of other ranks' gradients are still
+        # in flight, wait for the oldest. Without this bound, reduces queue up behind
+        # each other (always so on CPU/gloo) and the peak during backward is ~Ψ again.
+        self._release(wait_until=self.max_inflight_bytes)
 
-    def _release(self, only_completed: bool) -> None:
-        still = []
-        for p, handle in self._in_flight:
-            if only_completed and not handle.is_completed():
-                still.append((p, handle))
-                continue
+    def _inflight_foreign_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p, _ in self._in_flight
+                   if self.shard_gradients and self._owner[p] != self.rank)
+
+    def _release(self, wait_until: float) -> None:
+        """Retire finished reduces (in issue order); wait while foreign bytes in flight > ``wait_until``."""
+        while self._in_flight:
+            p, handle = self._in_flight[0]
+            if not handle.is_completed() and self._inflight_foreign_bytes() <= wait_until:
+                break
             handle.wait()
+            self._in_flight.pop(0)
             if self.shard_gradients and self._owner[p] != self.rank:
                 p.grad = None  # not ours: the owner has the average now
-        self._in_flight = still
 
     def _finish(self) -> None:
-        self._release(only_completed=False)
+        self._release(wait_until=-1)  # everything
         self._callback_queued = False
 
 
