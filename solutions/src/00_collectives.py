@@ -27,10 +27,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.constants import default_pg_timeout
 
-import minifsdp
 from minifsdp import LaunchTimeout, WorkerError, comm, dist, launch, plot, trace
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (to *_single) and every rank
+# warns about it; the ranks we launch inherit this environment, which silences just those two.
+os.environ.setdefault("PYTHONWARNINGS",
+                      "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning,"
+                      "ignore:`torch.distributed.reduce_scatter_tensor` is deprecated:FutureWarning")
 print(f"torch {torch.__version__}, {os.cpu_count()} CPU core(s), CUDA available: {torch.cuda.is_available()}")
 
 # %% [markdown]
@@ -83,7 +88,7 @@ print("and this notebook is none of them:", os.getpid() not in {res["pid"] for r
 # %%
 # NBVAL_CHECK_OUTPUT
 def fails_on_rank_2():
-    x = torch.ones(3)
+    x = torch.ones(3, device=dist.device())
     if dist.rank() == 2:
         raise ValueError("rank 2 found a corrupt batch")
     comm.all_reduce(x)  # ranks 0, 1 and 3 wait here for rank 2, which never arrives
@@ -99,26 +104,31 @@ except WorkerError as err:
 
 # %% [markdown]
 # A *hang* is worse than an error: a rank waiting for a message nobody sends
-# waits for the process group's timeout, which is **30 minutes** by default in
-# PyTorch. `launch` gives the whole run a deadline (`timeout=` seconds, the
-# same for the process group) and, when it passes, says which ranks were still
-# running and *where* they were. Here rank 0 waits for a message rank 1 never
-# sends:
+# waits for the process group's timeout (PyTorch's default is printed below).
+# `launch` gives the whole run a deadline (`timeout=` seconds, the same for the
+# process group) and, when it passes, says which ranks were still running and
+# *where* they were (`LaunchTimeout`); sometimes gloo, inside a waiting rank,
+# notices the same deadline a moment earlier and the run ends with a
+# `WorkerError` that says "Timed out". Here rank 0 waits for a message rank 1
+# never sends:
 
 # %%
 def waits_for_a_message_never_sent():
     if dist.rank() == 0:
-        inbox = torch.zeros(1)
+        inbox = torch.zeros(1, device=dist.device())
         comm.recv(inbox, src=1)  # rank 1 never calls send: this blocks forever
     return dist.rank()
 
 
+print(f"PyTorch's default process-group timeout: {default_pg_timeout} (h:mm:ss)")
 start = time.perf_counter()
 try:
     launch(waits_for_a_message_never_sent, 2, timeout=3)
-except LaunchTimeout as err:
+except LaunchTimeout as err:  # launch's deadline passed: it says who was still running, and where
     print(f"LaunchTimeout after {time.perf_counter() - start:.1f} s; ranks still running: {err.running}")
     print(str(err).split("\n", 1)[1])  # where each rank was (most recent call first)
+except WorkerError as err:  # the same deadline, noticed first by gloo inside a waiting rank
+    print(f"WorkerError after {time.perf_counter() - start:.1f} s: {str(err).splitlines()[0]}")
 
 # %% [markdown]
 # ## 2. The four collectives
@@ -141,14 +151,14 @@ plot.collective_diagram("all_reduce", 4)
 # NBVAL_CHECK_OUTPUT
 def chunks_of_rank(n):
     """Rank r's tensor: n chunks of one element each, chunk c holds 10r + c + 1."""
-    return torch.arange(n, dtype=torch.float32) + 10 * dist.rank() + 1
+    return torch.arange(n, dtype=torch.float32, device=dist.device()) + 10 * dist.rank() + 1
 
 
 def run_all_reduce():
     x = chunks_of_rank(dist.world_size())
     before = x.clone()
     comm.all_reduce(x)  # in place: x becomes the sum over ranks
-    return before, x
+    return before.cpu(), x.cpu()  # plain CPU tensors travel back to the notebook
 
 
 def show(results):
@@ -173,7 +183,7 @@ plot.collective_diagram("all_gather", 4)
 def run_all_gather():
     r = dist.rank()
     shard = chunks_of_rank(dist.world_size())[r:r + 1]  # rank r holds only its chunk r
-    return shard, comm.all_gather(shard)                 # a new tensor, world_size times longer
+    return shard.cpu(), comm.all_gather(shard).cpu()    # a new tensor, world_size times longer
 
 
 show(launch(run_all_gather, 4, timeout=60))
@@ -192,7 +202,7 @@ plot.collective_diagram("reduce_scatter", 4)
 # NBVAL_CHECK_OUTPUT
 def run_reduce_scatter():
     x = chunks_of_rank(dist.world_size())
-    return x, comm.reduce_scatter(x)  # a new tensor, world_size times shorter
+    return x.cpu(), comm.reduce_scatter(x).cpu()  # a new tensor, world_size times shorter
 
 
 show(launch(run_reduce_scatter, 4, timeout=60))
@@ -212,7 +222,7 @@ def run_broadcast(src):
     x = chunks_of_rank(dist.world_size())
     before = x.clone()
     comm.broadcast(x, src=src)  # in place
-    return before, x
+    return before.cpu(), x.cpu()
 
 
 show(launch(run_broadcast, 4, 2, timeout=60))
@@ -237,7 +247,7 @@ show(launch(run_broadcast, 4, 2, timeout=60))
 # NBVAL_CHECK_OUTPUT
 def both_ways(numel):
     torch.manual_seed(dist.rank())
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=dist.device())
     with trace.Tracer() as tracer:
         summed = x.clone()
         comm.all_reduce(summed)
@@ -320,10 +330,10 @@ def used_collectives(tracer):
 
 
 def compare_all_gather(numel):
-    x = torch.arange(numel, dtype=torch.float32) + 100 * dist.rank()  # 100r, 100r+1, ...: names its rank
+    x = torch.arange(numel, dtype=torch.float32, device=dist.device()) + 100 * dist.rank()  # names its rank
     with trace.Tracer() as tracer:
         mine = my_all_gather(x.clone())
-    return mine, comm.all_gather(x), used_collectives(tracer)
+    return mine.cpu(), comm.all_gather(x).cpu(), used_collectives(tracer)
 
 
 def all_gather_problem(mine, want, used, rank, n):
@@ -399,10 +409,10 @@ def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
 # CHECK: my_reduce_scatter gives comm.reduce_scatter's result on every rank, at world sizes 2 and 4
 def compare_reduce_scatter(numel):
     # Element k of rank r is (k + 1) * 10**r: in a sum, the decimal digits say which ranks contributed.
-    x = torch.arange(1, numel + 1, dtype=torch.float64) * 10 ** dist.rank()
+    x = torch.arange(1, numel + 1, dtype=torch.float64, device=dist.device()) * 10 ** dist.rank()
     with trace.Tracer() as tracer:
         mine = my_reduce_scatter(x)
-    return mine, comm.reduce_scatter(x), used_collectives(tracer)
+    return mine.cpu(), comm.reduce_scatter(x).cpu(), used_collectives(tracer)
 
 
 def contributions(values, base):
@@ -484,7 +494,7 @@ def ring_bytes_sent(nbytes: int, world_size: int) -> int:
 # CHECK: my_all_reduce sums like comm.all_reduce, and ring_bytes_sent counts what a rank really sends
 def compare_all_reduce(numel):
     torch.manual_seed(dist.rank())
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=dist.device())
     with trace.Tracer() as mine_traced:
         mine = my_all_reduce(x)
     with trace.Tracer() as real_traced:
@@ -555,7 +565,8 @@ def time_collectives(sizes, repeats):
     n = dist.world_size()
     tracer = trace.Tracer()
     for nbytes in sizes:
-        full, shard = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // n)
+        full = torch.ones(nbytes // 4, device=dist.device())
+        shard = torch.ones(nbytes // 4 // n, device=dist.device())
         for rep in range(repeats + 1):  # rep 0 is a warm-up (buffers, connections), not recorded
             for op in OPS:
                 comm.barrier()
@@ -638,8 +649,9 @@ print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 # %%
 def toy_data_parallel(steps, dim, rows):
     torch.manual_seed(0)  # the same initial weights on every rank
-    w = torch.randn(dim, dim, requires_grad=True)
-    batches = [torch.randn(rows * (1 + 2 * dist.rank()), dim) for _ in range(steps + 1)]  # uneven on purpose
+    w = torch.randn(dim, dim, device=dist.device(), requires_grad=True)
+    batches = [torch.randn(rows * (1 + 2 * dist.rank()), dim, device=dist.device())
+               for _ in range(steps + 1)]  # uneven on purpose
     tracer = trace.Tracer()
     for step, x in enumerate(batches):
         if step == 1:
