@@ -223,7 +223,7 @@ def format_table(rows: list[dict[str, Any]], world_size: int) -> str:
         ms = "".join(f"{row['median_s_by_rank'][r] * 1e3:>11.2f}" if row["median_s_by_rank"][r] is not None
                      else f"{'-':>11}" for r in ranks)
         lines.append(f"{row['op']:<15}{human_bytes(row['tensor_bytes']):>10}{human_bytes(row['bytes']):>11}"
-                     f"{ms}{row['algbw_GBps']:>12.2f}{row['busbw_GBps']:>12.2f}")
+                     f"{ms}{row['algbw_GBps']:>12.3g}{row['busbw_GBps']:>12.3g}")
     return "\n".join(lines)
 
 
