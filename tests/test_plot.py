@@ -292,3 +292,18 @@ def test_diagram_bad_input():
         plot.collective_diagram("all_reduce", 9)
     with pytest.raises(ValueError, match="src must be a rank"):
         plot.collective_diagram("broadcast", 2, src=2)
+
+
+def test_notebook_shows_a_returned_figure_once():
+    """In a Jupyter kernel (inline backend, nothing forced) a returned figure is one PNG output."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from minifsdp import plot\nplot.collective_diagram('all_gather', 2)"),
+                nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplot.human_bytes(3 << 20)")]
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    first, second = (c.outputs for c in nb.cells)
+    assert [o.output_type for o in first] == ["execute_result"]
+    assert first[0].data["image/png"]  # base64 PNG, shown inline
+    assert second[0].data["text/plain"] == "'3.0 MiB'"
