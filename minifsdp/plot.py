@@ -289,8 +289,11 @@ def _categories(samples: Iterable[MemorySample]) -> list[str]:
     return known + [c for c in present if c not in CATEGORY_COLORS]
 
 
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": 1 << 30}
+
+
 def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
-           title: str | None = None) -> Figure:
+           title: str | None = None, unit: str = "MiB") -> Figure:
     """Live memory (MiB) over time (ms), stacked by category, peak marked; one subplot per rank.
 
     Accepts a ``Trace``, a list of them, a list of ``MemorySample`` or a
@@ -298,10 +301,14 @@ def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
     next, so the stack is drawn as steps. The peak is the largest sample
     total (the tracker records a sample at its exact peak), annotated as
     "peak 81.2 MiB at 12.3 ms". Colours per category are fixed
-    (``CATEGORY_COLORS``) so plots compare at a glance.
+    (``CATEGORY_COLORS``) so plots compare at a glance. ``unit``: "B",
+    "KiB", "MiB" or "GiB" for the y axis (a toy model fits in KiB).
 
         >>> memory(tracker.samples)                  # doctest: +SKIP
     """
+    if unit not in _UNITS:
+        raise ValueError(f"memory(): unit must be one of {list(_UNITS)}; got {unit!r}")
+    div = _UNITS[unit]
     series, t0 = _memory_series(trace_or_samples)
     cats = _categories(m for _, ss in series for m in ss)
     if ax is None:
@@ -320,12 +327,12 @@ def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
             # Steps: repeat every sample's value up to the next sample's time.
             ts = [(m.time - t0) * 1e3 for m in samples]
             xs = [x for j, t in enumerate(ts) for x in (t, ts[j + 1] if j + 1 < len(ts) else t)]
-            ys = [[m.bytes_by_category.get(c, 0) / MiB for m in samples for _ in (0, 1)] for c in cats]
+            ys = [[m.bytes_by_category.get(c, 0) / div for m in samples for _ in (0, 1)] for c in cats]
             a.stackplot(xs, ys, labels=cats, colors=[color_for(c) for c in cats], linewidth=0)
             # The total as a thin outline: a spike narrower than a pixel still shows.
-            a.plot(xs, [m.total / MiB for m in samples for _ in (0, 1)], color="black", linewidth=0.5)
+            a.plot(xs, [m.total / div for m in samples for _ in (0, 1)], color="black", linewidth=0.5)
             peak = max(samples, key=lambda m: m.total)
-            px, py = (peak.time - t0) * 1e3, peak.total / MiB
+            px, py = (peak.time - t0) * 1e3, peak.total / div
             a.axhline(py, color="black", linestyle="--", linewidth=0.8)
             a.plot([px], [py], marker="v", color="black", markersize=6)
             ann = a.annotate(f"peak {human_bytes(peak.total)} at {px:.1f} ms", (px, py),
@@ -333,7 +340,7 @@ def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
                              ha="left" if px < 0.6 * xs[-1] else "right", va="bottom")
             ann.set_gid("minifsdp-peak")
             a.set_ylim(0, py * 1.2 if py > 0 else 1)
-        a.set_ylabel(f"{label} MiB".strip() if label else "live memory (MiB)")
+        a.set_ylabel(f"{label} {unit}" if label else f"live memory ({unit})")
         a.grid(alpha=0.3)
         if i == len(series) - 1:
             a.set_xlabel("time (ms)")

@@ -203,6 +203,13 @@ def test_memory_per_rank_subplots_share_time_zero():
 def test_memory_accepts_tracker_report_and_checks_axes():
     fig = plot.memory({"samples": _samples(), "peak_total": 42 * MiB})
     assert any(t.get_text().startswith("peak 42.0 MiB") for t in fig.axes[0].texts)
+    small = plot.memory([MemorySample(0.0, {"parameters": 848}), MemorySample(0.001, {"parameters": 848,
+                                                                                      "gradients": 848})], unit="KiB")
+    assert small.axes[0].get_ylabel() == "live memory (KiB)"
+    assert max(p.get_extents().y1 for c in small.axes[0].collections for p in c.get_paths()) == pytest.approx(
+        2 * 848 / 1024)
+    with pytest.raises(ValueError, match="unit must be one of"):
+        plot.memory(_samples(), unit="MB")
     with pytest.raises(ValueError, match="one axes per trace"):
         plot.memory([Trace(rank=0), Trace(rank=1)], ax=plot.Figure().add_subplot())
     with pytest.raises(TypeError, match="MemorySample"):
