@@ -1,0 +1,30 @@
+"""minifsdp.fsdp: fully sharded data parallel (ZeRO-3), mirroring ``torch.distributed.fsdp``.
+
+Change the import and code written for PyTorch's FSDP1 runs here::
+
+    from minifsdp.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from minifsdp.fsdp.wrap import size_based_auto_wrap_policy   # or transformer_auto_wrap_policy, ...
+
+Read in this order: ``api.py`` (the options), ``flat_param.py`` (flatten, pad,
+shard, gather, free), ``fully_sharded.py`` (one training step: hooks,
+strategies, prefetch, no_sync, clipping), ``wrap.py`` (units),
+``state_dict.py`` (checkpoints).
+"""
+
+from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                  OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
+                  StateDictConfig, StateDictType)
+from .fully_sharded import FullyShardedDataParallel
+from .options import init_hybrid_groups
+from .state_dict import FlatShard
+from .wrap import (ModuleWrapPolicy, always_wrap_policy, auto_wrap, default_auto_wrap_policy, enable_wrap,
+                   lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
+
+FSDP = FullyShardedDataParallel
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
+           "CPUOffload", "StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
+           "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "FlatShard",
+           "init_hybrid_groups", "ModuleWrapPolicy", "always_wrap_policy", "auto_wrap", "default_auto_wrap_policy",
+           "enable_wrap", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "wrap"]

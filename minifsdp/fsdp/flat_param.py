@@ -1,0 +1,293 @@
+"""Flat parameters: a unit's tensors become one flat, padded tensor, sharded across ranks.
+
+Mirrors ``FlatParameter`` / ``FlatParamHandle`` of PyTorch FSDP (Zhao et al.
+2023, "PyTorch FSDP", section 3.2) and FairScale's ``FlattenParamsWrapper``.
+Why flatten at all? One all-gather of one big tensor per unit instead of one
+per parameter (collectives have a fixed cost each), and sharding becomes
+trivial: rank r keeps the r-th equal slice.
+
+Worked example: a unit holds ``w [2, 3]``, ``b [3]`` and ``s [1]`` (10
+elements), N = 4 ranks. Concatenated and padded to 12 (a multiple of 4),
+every rank keeps 3 elements::
+
+    flat   = [w w w w w w b b b s 0 0]
+    rank 0   [w w w]          rank 2   [b b b]
+    rank 1   [w w w]          rank 3   [s 0 0]   <- padding, never used
+
+``s`` is smaller than the world size: that is fine, it is just a slice of
+the flat tensor. Padding costs at most N - 1 elements per unit.
+
+What lives where (one ``FlatParamHandle``):
+
+* ``flat_param`` -- an ``nn.Parameter`` of ``numel / N`` elements: the shard.
+  It is what ``model.parameters()`` yields, so ``torch.optim.AdamW(
+  model.parameters())`` built *after* wrapping steps on shards only.
+* ``_full`` -- the unsharded flat tensor (compute dtype, compute device), an
+  autograd leaf. Its storage is allocated by ``unshard()`` (filled by an
+  all-gather) and freed by ``reshard()`` with ``storage.resize_(0)``: the
+  tensor object survives, so the views autograd saved in forward point at
+  the right memory again once backward re-gathers it.
+* the original attributes (``linear.weight``) are plain tensors, views into
+  ``_full``: gradients flow through the views into ``_full.grad``, which
+  ``reduce_grad()`` reduce-scatters into ``flat_param.grad``.
+
+The original ``nn.Parameter`` objects are emptied (their data becomes a
+0-element tensor) and marked, so an optimizer built before wrapping is caught
+(see ``fully_sharded._check_optimizer``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from .. import comm, dist, trace
+
+__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK"]
+
+FLATTENED_MARK = "_minifsdp_flattened_into"  # set on original parameters once flattened
+
+
+@dataclass
+class ParamInfo:
+    """Where one original parameter lives inside the flat tensor."""
+
+    fqn: str              # name relative to the unit's module, e.g. "0.weight"
+    module: nn.Module     # the module that owned it
+    attr: str             # its attribute name there, e.g. "weight"
+    shape: torch.Size
+    numel: int
+    offset: int           # first element in the (unpadded) flat tensor
+    shared_with: int | None = None  # index of the first info of the same tensor (tied weights)
+
+
+def tag(handle: comm.Handle | None, unit: str) -> None:
+    """Name the unit on a collective's trace span.
+
+    ``comm``'s public functions take no extra span arguments yet, so the unit
+    goes into the async handle's span arguments before ``wait()`` records it.
+    """
+    if handle is not None and hasattr(handle, "_args"):
+        handle._args["unit"] = unit
+
+
+class FlatParamHandle:
+    """One flat parameter: flatten + pad + shard, gather/free, views, gradient reduction.
+
+    ``params`` are ``(fqn, module, attr, parameter)``; all must share dtype and
+    ``requires_grad``. ``shard_group`` is the group the flat tensor is split
+    across (None: not split, NO_SHARD); ``replicate_group`` the group the
+    shard is replicated across (gradients all-reduced there; None: none).
+    """
+
+    def __init__(self, params: list[tuple[str, nn.Module, str, nn.Parameter]], *, unit: str,
+                 shard_group: ProcessGroup | None, replicate_group: ProcessGroup | None,
+                 device: torch.device, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, offload: bool = False):
+        self.unit = unit
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.shard_size = dist.world_size(shard_group) if shard_group is not None else 1
+        self.shard_rank = dist.rank(shard_group) if shard_group is not None else 0
+        self.replicate_size = dist.world_size(replicate_group) if replicate_group is not None else 1
+        self.device = device
+        self.infos, unique = self._describe(params)
+        dtypes = sorted({str(p.dtype) for p in unique})
+        if len(dtypes) > 1:
+            raise ValueError(f"FSDP unit {unit or 'root'!r} mixes parameter dtypes {dtypes}: one flat parameter "
+                             "holds one dtype; cast the model (model.float()) or wrap those modules separately")
+        self.dtype = unique[0].dtype
+        self.compute_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.numel = sum(p.numel() for p in unique)
+        self.padded_numel = math.ceil(self.numel / self.shard_size) * self.shard_size
+        self.shard_numel = self.padded_numel // self.shard_size
+
+        with torch.no_grad():
+            flat = self.flatten([p.detach().to(device) for p in unique])
+            shard = flat[self.shard_rank * self.shard_numel:(self.shard_rank + 1) * self.shard_numel].clone()
+        requires_grad = unique[0].requires_grad
+        self.flat_param = nn.Parameter(shard.to("cpu" if offload else device), requires_grad=requires_grad)
+        # Without sharding, low precision or offload, the "unsharded" tensor can
+        # share the shard's storage: nothing to gather, nothing to free (DDP-like).
+        self.aliased = self.shard_size == 1 and self.compute_dtype == self.dtype and not offload
+        if self.aliased:
+            self._full = self.flat_param.detach()
+        else:
+            self._full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+            self._full.untyped_storage().resize_(0)  # sharded at rest
+        self._full.requires_grad_(requires_grad)
+        self._pending: tuple[comm.Handle, torch.Tensor] | None = None  # an async all-gather in flight
+        self._retire_originals(unique)
+
+    # -- construction --------------------------------------------------------
+    @staticmethod
+    def _describe(params: list) -> tuple[list[ParamInfo], list[nn.Parameter]]:
+        """ParamInfos in order; a tensor seen twice (tied weights) is stored once."""
+        infos: list[ParamInfo] = []
+        unique: list[nn.Parameter] = []
+        first: dict[int, int] = {}
+        offset = 0
+        for fqn, module, attr, p in params:
+            if id(p) in first:  # tied: a second name for the same elements
+                i = first[id(p)]
+                infos.append(ParamInfo(fqn, module, attr, p.shape, p.numel(), infos[i].offset, shared_with=i))
+                continue
+            first[id(p)] = len(infos)
+            infos.append(ParamInfo(fqn, module, attr, p.shape, p.numel(), offset))
+            unique.append(p)
+            offset += p.numel()
+        return infos, unique
+
+    def _retire_originals(self, unique: list[nn.Parameter]) -> None:
+        """Remove the original parameters from their modules and free their memory."""
+        for info in self.infos:
+            info.module._parameters.pop(info.attr, None)
+        for p in unique:
+            setattr(p, FLATTENED_MARK, self.unit or "root")
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @property
+    def unique_infos(self) -> list[ParamInfo]:
+        return [i for i in self.infos if i.shared_with is None]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.flat_param.requires_grad
+
+    # -- flat <-> original layout (also used by the state dicts) ---------------
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Concatenate one tensor per unique parameter and zero-pad: the full flat layout."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        pad = self.padded_numel - flat.numel()
+        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``full`` shaped like the original parameters, one per info (tied ones repeat)."""
+        return [full[i.offset:i.offset + i.numel].view(i.shape) for i in self.infos]
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat tensor."""
+        start = self.shard_rank * self.shard_numel
+        return full[start:start + self.shard_numel]
+
+    def local_piece(self, info: ParamInfo) -> tuple[int, int]:
+        """``(start, end)`` of ``info``'s flattened elements that this rank's shard holds (may be empty)."""
+        lo = self.shard_rank * self.shard_numel
+        start, end = max(info.offset, lo), min(info.offset + info.numel, lo + self.shard_numel)
+        return (start - info.offset, max(end, start) - info.offset)
+
+    # -- unshard / reshard ------------------------------------------------------
+    def is_unsharded(self) -> bool:
+        return self.aliased or self._full.untyped_storage().nbytes() > 0
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Make ``_full`` hold the whole flat tensor: allocate, then all-gather the shards into it."""
+        if self._pending is None and not self.is_unsharded():
+            self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+            src = self.flat_param.detach().to(self.device, self.compute_dtype)  # copy if offloaded / low precision
+            # Write through ``.data``: a fresh version counter, so autograd does not
+            # mistake the refill for an in-place change of the tensors it saved.
+            out = self._full.data
+            if self.shard_size == 1:
+                out.copy_(src)
+            else:
+                handle = comm.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
+                tag(handle, self.unit)
+                self._pending = (handle, src)  # src must stay alive until the gather is done
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def reshard(self) -> None:
+        """Free the unsharded flat tensor (the ``storage.resize_(0)`` trick); the shard stays."""
+        if self.aliased or not self.is_unsharded():
+            return
+        self.wait()
+        nbytes = self._full.untyped_storage().nbytes()
+        with trace.span(f"reshard {self.unit or 'root'}", unit=self.unit, bytes=nbytes):
+            self._full.untyped_storage().resize_(0)
+
+    def use_unsharded_views(self) -> None:
+        """Point the modules' attributes at views of ``_full`` (recorded by autograd in forward)."""
+        views = self.unflatten(self._full)
+        for info, view in zip(self.infos, views):
+            setattr(info.module, info.attr, views[info.shared_with] if info.shared_with is not None else view)
+
+    # -- full copies for summon_full_params and state dicts ---------------------
+    def gather_full(self, shard: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fresh full flat tensor gathered from ``shard`` (default: the parameter shard)."""
+        shard = (self.flat_param if shard is None else shard).detach().to(self.device, dtype or self.dtype)
+        if self.shard_size == 1:
+            return shard.clone()
+        out = shard.new_empty(self.padded_numel)
+        handle = comm.all_gather_into_tensor(out, shard.contiguous(), group=self.shard_group, async_op=True)
+        tag(handle, self.unit)
+        handle.wait()
+        return out
+
+    def expose_params(self, full: torch.Tensor) -> None:
+        """Register views of ``full`` as ``nn.Parameter``s under the original names (summon)."""
+        params: list[nn.Parameter] = []
+        for info, view in zip(self.infos, self.unflatten(full)):
+            p = params[info.shared_with] if info.shared_with is not None else nn.Parameter(
+                view, requires_grad=self.requires_grad)
+            params.append(p)
+            info.module.__dict__.pop(info.attr, None)
+            info.module._parameters[info.attr] = p
+
+    def hide_params(self) -> None:
+        for info in self.infos:
+            info.module._parameters.pop(info.attr, None)
+
+    def write_shard(self, full: torch.Tensor) -> None:
+        """Copy this rank's slice of ``full`` back into the shard (summon's writeback, loading)."""
+        with torch.no_grad():
+            self.flat_param.copy_(self.shard_of(full).to(self.flat_param.device, self.flat_param.dtype))
+
+    # -- gradients --------------------------------------------------------------
+    def reduce_grad(self, dp_size: int) -> Callable[[], None] | None:
+        """Start averaging ``_full.grad`` over all data-parallel ranks into ``flat_param.grad``.
+
+        reduce-scatter inside the shard group (each rank receives the sum of
+        its slice), then all-reduce that slice across the replicate group
+        (HYBRID_SHARD; NO_SHARD is the special case of a shard group of one).
+        The first collective runs async; the returned ``finish()`` waits for
+        it and stores the result (the caller decides when: overlap).
+        """
+        grad = self._full.grad
+        self._full.grad = None
+        if grad is None:
+            return None
+        grad = grad.to(self.reduce_dtype)
+        grad.div_(dp_size)  # average, like DDP/FSDP: every rank saw 1/dp_size of the batch
+        if self.shard_size > 1:
+            out = grad.new_empty(self.shard_numel)
+            first = comm.reduce_scatter_tensor(out, grad, group=self.shard_group, async_op=True)
+        else:
+            out, first = grad, None
+            if self.replicate_size > 1:
+                first = comm.all_reduce(out, group=self.replicate_group, async_op=True)
+        tag(first, self.unit)
+
+        def finish() -> None:
+            if first is not None:
+                first.wait()
+            if self.shard_size > 1 and self.replicate_size > 1:  # HYBRID: across the replicas
+                second = comm.all_reduce(out, group=self.replicate_group, async_op=True)
+                tag(second, self.unit)
+                second.wait()
+            reduced = out.to(self.flat_param.device, self.flat_param.dtype)
+            if self.flat_param.grad is None:
+                self.flat_param.grad = reduced
+            else:  # accumulating over micro-batches without no_sync()
+                self.flat_param.grad += reduced
+        return finish

@@ -1,0 +1,94 @@
+"""Whole-model operations between steps: global gradient clipping and gathering full parameters.
+
+Mirror ``FullyShardedDataParallel.clip_grad_norm_`` and
+``FullyShardedDataParallel.summon_full_params`` of PyTorch FSDP (and
+FairScale). Both are collectives: every rank must call them.
+
+Why clipping needs care: each rank holds 1/N of the gradient, so a local
+``torch.nn.utils.clip_grad_norm_`` would clip by the norm of a shard. The
+global 2-norm is ``sqrt(sum over ranks of sum |g_shard|^2)``: one all-reduce
+of one number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from .fully_sharded import _IDLE
+from .fully_sharded import FullyShardedDataParallel as FSDP
+
+__all__ = ["clip_grad_norm_", "summon_full_params"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: FSDP, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip all gradients by their *global* norm (over every shard); return that norm.
+
+    Each rank sums ``|g|^p`` over its gradient shards; one all-reduce over the
+    shard group adds the shards up (padding is zero; replicas hold the same
+    shard, so they are not counted twice). Same result as
+    ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
+    """
+    norm_type = float(norm_type)
+    flat = {id(h.flat_param) for u in model.modules() if isinstance(u, FSDP) for h in u._handles}
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded = [p.grad for p in model.parameters() if p.grad is not None and id(p) in flat]
+    local = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in flat]  # ignored modules
+    dev = model.compute_device
+    if norm_type == math.inf:
+        total = torch.stack([g.abs().max().to(dev, torch.float32) for g in sharded] or [torch.zeros((), device=dev)]).max()
+        if model._shard_group is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=model._shard_group)
+        total = torch.stack([total] + [g.abs().max().to(dev, torch.float32) for g in local]).max()
+    else:
+        total = sum((g.float().norm(norm_type) ** norm_type).to(dev) for g in sharded) + torch.zeros((), device=dev)
+        if model._shard_group is not None:
+            comm.all_reduce(total, group=model._shard_group)
+        total = (total + sum((g.float().norm(norm_type) ** norm_type).to(dev) for g in local)) ** (1 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    """Inside the block the original parameters are full ``nn.Parameter``s (gathered, full precision).
+
+    With ``writeback`` (default) changes are copied back into each rank's
+    shard on exit. Collective: every rank must enter it.
+    """
+    if rank0_only or with_grads:
+        raise NotImplementedError("minifsdp's summon_full_params gathers on every rank without gradients; "
+                                  "call it with rank0_only=False, with_grads=False")
+    units = [m for m in module.modules() if isinstance(m, FSDP)]
+    units = units if recurse else units[:1]
+    busy = [u._name for u in units if u._training_state != _IDLE]
+    if busy:
+        raise RuntimeError(f"summon_full_params() inside forward/backward of units {busy}; call it between steps")
+    gathered = []
+    for u in units:
+        for h in u._handles:
+            h.reshard()  # a kept (root) copy may be stale after optimizer.step()
+            full = h.gather_full()
+            full = full.cpu() if offload_to_cpu else full
+            h.expose_params(full)
+            gathered.append((h, full))
+        for name in ("_flat_param", "_flat_param_frozen"):  # hide the shards meanwhile
+            u._parameters.pop(name, None)
+    try:
+        yield
+    finally:
+        for h, full in gathered:
+            if writeback:
+                h.write_shard(full)
+            h.hide_params()
+        for u in units:
+            for h in u._handles:
+                u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param

@@ -1,0 +1,359 @@
+"""FullyShardedDataParallel: ZeRO-3, one wrapped unit at a time.
+
+Mirrors ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1, Zhao et al.
+2023) and FairScale's ``FullyShardedDataParallel``, which implement ZeRO
+stage 3 (Rajbhandari et al. 2020): each rank keeps 1/N of every parameter,
+gradient and optimizer state, and gathers a unit's full parameters only while
+that unit computes.
+
+One training step, followed through this file (units: root and its children)::
+
+    out = model(x)       root._pre_forward: lazy init; unshard (all-gather) root
+                           child._pre_forward: unshard child, [forward_prefetch next]
+                           child._post_forward: hook the outputs; reshard (FULL_SHARD)
+                         root._post_forward: keep root unsharded (backward needs it first)
+    loss.backward()      hook on an output's grad = _pre_backward: unshard the unit,
+                           [BACKWARD_PRE: start gathering the next unit]
+                         hook after _full.grad is accumulated = _post_backward:
+                           reduce-scatter the gradient (async), reshard,
+                           [BACKWARD_POST: start gathering the next unit]
+                         root._finish_backward (queued on the autograd engine): wait
+                           for the last reduce-scatter, reshard whatever is left
+    optim.step()         a plain torch optimizer updates the shards (model.parameters())
+
+The flat-parameter mechanics (flatten, pad, gather, free, views, reduce) live
+in ``flat_param.py``; wrap policies in ``wrap.py``; state dicts in ``state_dict.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import comm, dist, trace
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParamHandle
+from .options import (WRAPPED, clean_name, groups, install_optimizer_check, managed_buffers, managed_params,
+                      resolve_mixed_precision, resolve_strategy)
+
+__all__ = ["FullyShardedDataParallel", "MAX_UNSHARDED_UNITS"]
+
+MAX_UNSHARDED_UNITS = 2  # limit_all_gathers: non-root units allowed unsharded when prefetching
+_IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state across ranks.
+
+    Same arguments and meaning as ``torch.distributed.fsdp.FullyShardedDataParallel``
+    (``param_init_fn`` is not supported), plus FairScale's ``reshard_after_forward``
+    (True = FULL_SHARD, False = SHARD_GRAD_OP) and ``mixed_precision=True``
+    (bf16 compute and reduction, see ``MixedPrecision``). Works inside
+    ``minifsdp.launch`` and in any process group made by ``init_process_group``.
+
+        model = FSDP(build_model("gpt-tiny"), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        opt = torch.optim.AdamW(model.parameters())    # after wrapping: the shards
+        loss = lm_loss(model(x), y); loss.backward(); opt.step()
+    """
+
+    def __init__(self, module: nn.Module, process_group: Any = None,
+                 sharding_strategy: ShardingStrategy | None = None, cpu_offload: CPUOffload | None = None,
+                 auto_wrap_policy: Callable | None = None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision: MixedPrecision | bool | None = None,
+                 ignored_modules: Iterable[nn.Module] | None = None, param_init_fn: Callable | None = None,
+                 device_id: int | torch.device | None = None, sync_module_states: bool = False,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True, use_orig_params: bool = False,
+                 *, reshard_after_forward: bool | None = None):
+        super().__init__()
+        dist.require_initialized("FullyShardedDataParallel")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
+        if use_orig_params or param_init_fn is not None:
+            raise NotImplementedError("minifsdp implements use_orig_params=False without param_init_fn; "
+                                      "drop those arguments (build the model on a real device first)")
+        install_optimizer_check()
+        strategy = resolve_strategy(sharding_strategy or ShardingStrategy.FULL_SHARD, reshard_after_forward)
+        mp = resolve_mixed_precision(mixed_precision)
+        ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
+        self.sharding_strategy, self.mixed_precision = strategy, mp
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
+        self._limit_all_gathers = limit_all_gathers
+        self._reshard_after_forward = strategy in _RESHARD_AFTER_FORWARD
+        self._shard_group, self._replicate_group = groups(process_group, strategy)
+        self._dp_size = dist.world_size(self._shard_group) if self._shard_group is not None else 1
+        self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
+        self.compute_device = (torch.device("cuda", device_id) if isinstance(device_id, int)
+                               else torch.device(device_id) if device_id is not None else dist.device())
+        if device_id is not None:
+            module.to(self.compute_device)
+        if auto_wrap_policy is not None:  # wrap the children first, with the same options
+            from .wrap import _recursive_wrap
+            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+                          backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                          ignored_modules=ignored_modules, device_id=device_id,
+                          sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                          limit_all_gathers=limit_all_gathers, reshard_after_forward=reshard_after_forward)
+            _recursive_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored, only_wrap_children=True,
+                            **kwargs)
+        self._fsdp_wrapped_module = module
+        params = managed_params(module, ignored, FullyShardedDataParallel)
+        if sync_module_states:
+            self._sync_module_states([p for *_, p in params] + managed_buffers(module, ignored))
+        self._handles: list[FlatParamHandle] = []
+        for requires_grad, attr in ((True, "_flat_param"), (False, "_flat_param_frozen")):
+            group = [entry for entry in params if entry[3].requires_grad == requires_grad]
+            if group:
+                handle = FlatParamHandle(group, unit="", shard_group=self._shard_group,
+                                         replicate_group=self._replicate_group, device=self.compute_device,
+                                         param_dtype=mp.param_dtype if mp else None,
+                                         reduce_dtype=mp.reduce_dtype if mp else None,
+                                         offload=self.cpu_offload.offload_params)
+                self.register_parameter(attr, handle.flat_param)
+                if requires_grad:
+                    handle._full.register_post_accumulate_grad_hook(lambda _, h=handle: self._post_backward(h))
+                self._handles.append(handle)
+        self._root: FullyShardedDataParallel | None = None  # set by the root's lazy init
+        self._training_state = _IDLE
+        self._sync_grads = True
+        self._name_units()  # provisional names (relative to this unit); the root's lazy init renames
+
+    def _name_units(self) -> list[FullyShardedDataParallel]:
+        units = []
+        for path, m in self.named_modules():
+            if isinstance(m, FullyShardedDataParallel):
+                m._name = clean_name(path) or "root"
+                for h in m._handles:
+                    h.unit = m._name
+                units.append(m)
+        return units
+
+    # -- small helpers ----------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (as in torch)."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)  # e.g. model.config, like torch's FSDP
+
+    def _sync_module_states(self, tensors: list[torch.Tensor]) -> None:
+        """sync_module_states: every rank starts from rank 0's values (across replicas, then the shard group)."""
+        with torch.no_grad():
+            for t in tensors:
+                for group in (self._replicate_group, self._shard_group):
+                    if group is not None and dist.world_size(group) > 1:
+                        comm.broadcast(t.data, src=tdist.get_global_rank(group, 0), group=group)
+
+    # -- lazy init (first forward): who is the root -------------------------------
+    def _lazy_init(self) -> None:
+        """The first FSDP module whose forward runs is the root of the units below it."""
+        self._units = self._name_units()
+        for m in self._units:
+            m.__dict__["_root"] = self  # a plain reference: assigning a Module would register a child
+        self._fwd_order: list[FullyShardedDataParallel] = []
+        self._prev_fwd_order: list[FullyShardedDataParallel] = []
+        self._post_order: list[FullyShardedDataParallel] = []
+        self._pending_reduce: Callable[[], None] | None = None
+        self._callback_queued = False
+        self.stats = {"peak_unsharded_units": 0, "prefetches": 0, "prefetches_skipped": 0}
+        if self.mixed_precision is not None and self.mixed_precision.buffer_dtype is not None:
+            for m in self.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m.__dict__.setdefault("_fsdp_buffer_dtypes", {}).setdefault(name, b.dtype)  # for state_dict
+                        m._buffers[name] = b.to(self.mixed_precision.buffer_dtype)
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._root is None:
+            self._lazy_init()
+        with trace.span(f"forward {self._name}", unit=self._name):
+            args, kwargs = self._pre_forward(args, kwargs)
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+            return self._post_forward(output)
+
+    def _pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        root = self._root
+        if root is self:  # a new iteration: remember the last one's order for forward prefetch
+            root._prev_fwd_order = root._fwd_order or root._prev_fwd_order
+            root._fwd_order, root._post_order = [], []
+        root._fwd_order.append(self)
+        self._training_state = _FORWARD
+        for h in self._handles:
+            h.unshard()
+        root._note_unsharded()
+        for h in self._handles:
+            h.use_unsharded_views()
+        if self._forward_prefetch:
+            root._prefetch(_next(self, root._prev_fwd_order))
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None and (
+                mp.cast_forward_inputs or (root is self and mp.cast_root_forward_inputs)):
+            args, kwargs = tree_map(lambda t: _cast(t, mp.param_dtype), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, output: Any) -> Any:
+        root = self._root
+        root._post_order.append(self)
+        needs_backward = False
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+                    needs_backward = True
+        # The root keeps its parameters: backward starts with them (as torch does).
+        keep = needs_backward and (self is root or not self._reshard_after_forward)
+        if not keep:
+            for h in self._handles:
+                h.reshard()
+        self._training_state = _IDLE
+        return output
+
+    # -- backward ---------------------------------------------------------------------
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        """Runs when the gradient of one of this unit's outputs is ready: its backward is next."""
+        root = self._root
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+        first = self._training_state != _BACKWARD
+        self._training_state = _BACKWARD
+        with trace.span(f"pre_backward {self._name}", unit=self._name):
+            for h in self._handles:
+                h.unshard()
+            root._note_unsharded()
+            if first and self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+                root._prefetch(_next(self, root._post_order[::-1]))
+
+    def _post_backward(self, handle: FlatParamHandle) -> None:
+        """Runs once ``_full.grad`` holds this unit's gradient: reduce it, free the parameters."""
+        root = self._root
+        with trace.span(f"post_backward {self._name}", unit=self._name):
+            if self._sync_grads:  # under no_sync() the unsharded gradient just accumulates
+                root._queue_reduce(handle.reduce_grad(self._dp_size))
+            handle.reshard()
+            self._training_state = _IDLE
+            if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+                root._prefetch(_next(self, root._post_order[::-1]))
+
+    def _queue_reduce(self, finish: Callable[[], None] | None) -> None:
+        """At most one reduction in flight: it overlaps the next unit's backward."""
+        if self._pending_reduce is not None:
+            self._pending_reduce()
+        self._pending_reduce = finish
+
+    def _finish_backward(self) -> None:
+        """End of backward (root): wait for the last reduction; reshard units whose hooks never ran."""
+        with trace.span("finish_backward", unit=self._name):
+            self._queue_reduce(None)
+            for unit in self._units:
+                for h in unit._handles:
+                    h.reshard()
+                unit._training_state = _IDLE
+            self._callback_queued = False
+
+    # -- prefetch and the all-gather limit ----------------------------------------------
+    def _unsharded_units(self) -> list[FullyShardedDataParallel]:
+        return [u for u in self._units if u is not self and any(
+            not h.aliased and (h.is_unsharded() or h._pending) for h in u._handles)]
+
+    def _note_unsharded(self) -> None:
+        self.stats["peak_unsharded_units"] = max(self.stats["peak_unsharded_units"], len(self._unsharded_units()))
+
+    def _prefetch(self, unit: FullyShardedDataParallel | None) -> None:
+        """Start ``unit``'s all-gather now (async); its own unshard() will wait for it."""
+        if unit is None or all(h.is_unsharded() or h._pending for h in unit._handles):
+            return
+        if self._limit_all_gathers and len(self._unsharded_units()) >= MAX_UNSHARDED_UNITS:
+            self.stats["prefetches_skipped"] += 1  # it will gather on demand instead
+            return
+        for h in unit._handles:
+            h.unshard(async_op=True)
+        self.stats["prefetches"] += 1
+        self._note_unsharded()
+
+    # -- no_sync, gradient clipping, full parameters ----------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate *unsharded* gradients locally, no communication (FSDP's no_sync).
+
+        The first backward after the block reduces the whole accumulated sum.
+        Costs a full-size gradient per unit while inside.
+        """
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        previous = [u._sync_grads for u in units]
+        for u in units:
+            u._sync_grads = False
+        try:
+            yield
+        finally:
+            for u, p in zip(units, previous):
+                u._sync_grads = p
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their global norm over every shard; return that norm (see full_params.py)."""
+        from .full_params import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False) -> contextlib.AbstractContextManager:
+        """Inside the block the original parameters are full ``nn.Parameter``s (see full_params.py)."""
+        from .full_params import summon_full_params
+        return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+
+    # -- state dicts (state_dict.py) ------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from . import state_dict as sd
+        return sd.state_dict(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        from . import state_dict as sd
+        return sd.load_state_dict(self, state_dict, strict=strict)
+
+    @staticmethod
+    def state_dict_type(module: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
+                        optim_state_dict_config: Any = None) -> contextlib.AbstractContextManager:
+        from . import state_dict as sd
+        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
+        from . import state_dict as sd
+        return sd.optim_state_dict(model, optim, optim_state_dict)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                                 is_named_optimizer: bool = False, load_directly: bool = False,
+                                 group: Any = None) -> dict[str, Any]:
+        from . import state_dict as sd
+        return sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+
+
+# --------------------------------------------------------------------------
+# Module-level helpers
+# --------------------------------------------------------------------------
+def _next(unit: FullyShardedDataParallel, order: list) -> FullyShardedDataParallel | None:
+    """The first unit after ``unit`` in ``order`` (forward order, or backward = reversed post-forward)."""
+    for i, u in enumerate(order):
+        if u is unit:
+            return next((v for v in order[i + 1:] if v is not unit), None)
+    return None
+
+
+def _cast(t: Any, dtype: torch.dtype) -> Any:
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

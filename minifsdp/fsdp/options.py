@@ -1,0 +1,148 @@
+"""Turning FullyShardedDataParallel's arguments into process groups and parameter lists.
+
+Helpers for the constructor in ``fully_sharded.py``, kept apart so that file
+reads as one training step:
+
+* ``groups``: the (shard group, replicate group) pair behind each
+  ``ShardingStrategy`` -- NO_SHARD is "shard groups of one rank, replicate
+  across all", HYBRID_SHARD "shard inside a node, replicate across nodes"
+  (``init_hybrid_groups``), FULL_SHARD / SHARD_GRAD_OP "shard across all";
+* ``managed_params``: which parameters a unit flattens (not those of nested
+  units or ignored modules), with the tied-weights-across-units check;
+* the guard that catches an optimizer built before wrapping.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from .. import dist
+from .api import MixedPrecision, ShardingStrategy
+from .flat_param import FLATTENED_MARK
+
+__all__ = ["clean_name", "managed_params", "managed_buffers", "resolve_strategy", "resolve_mixed_precision",
+           "groups", "init_hybrid_groups", "install_optimizer_check", "WRAPPED", "HYBRID"]
+
+WRAPPED = "_fsdp_wrapped_module"
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def clean_name(path: str) -> str:
+    """The unwrapped model's name for a path: drop the wrapper's ``_fsdp_wrapped_module`` hops.
+
+    >>> clean_name("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.attn.qkv.weight")
+    'blocks.0.attn.qkv.weight'
+    """
+    return ".".join(p for p in path.split(".") if p and p != WRAPPED)
+
+
+def managed_params(module: nn.Module, ignored: set[nn.Module],
+                   unit_cls: type) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """This unit's parameters: everything below ``module`` except nested units and ignored modules."""
+    out: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for attr, p in m._parameters.items():
+            if p is not None:
+                if hasattr(p, FLATTENED_MARK):
+                    raise ValueError(f"parameter {prefix + attr!r} is also used by FSDP unit "
+                                     f"{getattr(p, FLATTENED_MARK)!r} (tied weights across units); wrap every "
+                                     "module that uses it in one unit (e.g. keep it out of the wrap policy)")
+                out.append((prefix + attr, m, attr, p))
+        for name, child in m._modules.items():
+            if child is not None and not isinstance(child, unit_cls) and child not in ignored:
+                visit(child, f"{prefix}{name}.")
+    visit(module, "")
+    return out
+
+
+def managed_buffers(module: nn.Module, ignored: set[nn.Module]) -> list[torch.Tensor]:
+    return [b for m in module.modules() if m not in ignored for b in m._buffers.values() if b is not None]
+
+
+def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | None) -> ShardingStrategy:
+    """FairScale's ``reshard_after_forward`` picks between the ZeRO-3 and ZeRO-2-like variants."""
+    if reshard_after_forward is None or strategy == ShardingStrategy.NO_SHARD:
+        return strategy
+    if strategy in HYBRID:
+        return ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def resolve_mixed_precision(mp: MixedPrecision | bool | None) -> MixedPrecision | None:
+    if mp is True:  # FairScale's shorthand, read as bf16 (see MixedPrecision)
+        return MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    if mp is False or mp is None:
+        return None
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a MixedPrecision, True or None, got {type(mp).__name__}")
+    return mp
+
+
+def groups(process_group: Any, strategy: ShardingStrategy) -> tuple[Any, Any]:
+    """(shard group, replicate group) for a strategy. NO_SHARD = shard groups of one."""
+    if strategy in HYBRID:
+        if isinstance(process_group, tuple) and len(process_group) == 2:
+            return process_group
+        if process_group is not None:
+            raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group) or None "
+                             "(then: shard inside each node, see init_hybrid_groups)")
+        return init_hybrid_groups()
+    if isinstance(process_group, tuple):
+        raise ValueError(f"a (shard, replicate) group pair is for HYBRID_SHARD, not {strategy.name}")
+    group = process_group if process_group is not None else tdist.group.WORLD
+    return (None, group) if strategy == ShardingStrategy.NO_SHARD else (group, None)
+
+
+_hybrid_cache: dict[int, tuple[Any, Any]] = {}
+
+
+def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
+    """This rank's (shard group, replicate group) for HYBRID_SHARD. Collective: call on every rank.
+
+    ``shard_size`` defaults to the ranks per node (torchrun's LOCAL_WORLD_SIZE).
+    With 4 ranks and ``shard_size=2``: shard groups {0,1} {2,3}, replicate
+    groups {0,2} {1,3}.
+    """
+    world = dist.world_size()
+    shard_size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"shard_size={shard_size} must divide the world size {world}")
+    if shard_size not in _hybrid_cache:
+        rank, mine = dist.rank(), [None, None]
+        for start in range(0, world, shard_size):  # every rank creates every group, in the same order
+            ranks = list(range(start, start + shard_size))
+            g = tdist.new_group(ranks)
+            mine[0] = g if rank in ranks else mine[0]
+        for offset in range(shard_size):
+            ranks = list(range(offset, world, shard_size))
+            g = tdist.new_group(ranks)
+            mine[1] = g if rank in ranks else mine[1]
+        _hybrid_cache[shard_size] = (mine[0], mine[1])
+    return _hybrid_cache[shard_size]
+
+
+_optimizer_check_installed = False
+
+
+def install_optimizer_check() -> None:
+    global _optimizer_check_installed
+    if not _optimizer_check_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _optimizer_check_installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer built *before* wrapping holds the original parameters, which FSDP emptied."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.numel() == 0 and hasattr(p, FLATTENED_MARK):
+                raise RuntimeError(f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
+                                   "flattened into shards (it was built before wrapping); build it after: "
+                                   "optim = torch.optim.AdamW(fsdp_model.parameters())")

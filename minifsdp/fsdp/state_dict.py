@@ -1,0 +1,326 @@
+"""State dicts of a sharded model and of its optimizer: full, sharded, local.
+
+Mirrors ``FullyShardedDataParallel.state_dict_type`` / ``optim_state_dict`` /
+``optim_state_dict_to_load`` of PyTorch FSDP. The problem: each rank holds
+1/N of a *flat* tensor per unit, while a checkpoint should speak the
+unwrapped model's language (``blocks.0.attn.qkv.weight``, shape ``[96, 32]``).
+
+* FULL_STATE_DICT: gather every unit (``summon_full_params``), read the
+  original parameters, drop the ``_fsdp_wrapped_module.`` hops from the keys:
+  the result loads into the *unwrapped* model, or into FSDP at any world size.
+* SHARDED_STATE_DICT: no communication. Same keys; each value is a
+  ``FlatShard``: the piece of that parameter (flattened) this rank holds, with
+  its offset. Loads back at the same world size.
+* LOCAL_STATE_DICT: the flat shards under their own names (``_flat_param``).
+
+The optimizer follows the same rule: its state for a flat shard (AdamW's
+``exp_avg`` has the shard's shape) is cut at the same boundaries as the
+parameters; counters like ``step`` are copied to every original parameter.
+
+A FULL dict needs collectives, so every rank must ask for it; one rank alone
+would wait forever. ``_all_ranks_enter`` first meets the other ranks through
+the process group's key-value store, with a deadline, and names the ranks
+that never came.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from .. import dist
+from .api import (FullOptimStateDictConfig, FullStateDictConfig, OptimStateDictConfig, ShardedStateDictConfig,
+                  StateDictConfig, StateDictType)
+from .fully_sharded import FullyShardedDataParallel as FSDP
+from .options import clean_name
+
+__all__ = ["FlatShard", "state_dict_type", "state_dict", "load_state_dict", "optim_state_dict",
+           "optim_state_dict_to_load", "ENTRY_TIMEOUT_S"]
+
+ENTRY_TIMEOUT_S = 60.0  # how long a rank waits for the others to call a collective state-dict function
+_nested = False          # True while nn.Module's own traversal runs (child units then behave as plain modules)
+_entries: dict[str, int] = {}
+
+
+@dataclass
+class FlatShard:
+    """This rank's piece of one parameter in a SHARDED_STATE_DICT: flattened elements
+    ``[offset, offset + local.numel())`` of a tensor of shape ``shape``."""
+
+    local: torch.Tensor
+    offset: int
+    shape: torch.Size
+
+
+# --------------------------------------------------------------------------
+# Choosing the type
+# --------------------------------------------------------------------------
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config: StateDictConfig | None = None,
+                    optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
+    """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):``"""
+    units = [m for m in module.modules() if isinstance(m, FSDP)]
+    saved = [(getattr(u, "_sd", None)) for u in units]
+    default = FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig()
+    for u in units:
+        u._sd = (state_dict_type, state_dict_config or default, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for u, s in zip(units, saved):
+            u._sd = s
+
+
+def _settings(model: nn.Module) -> tuple[StateDictType, Any, Any]:
+    return getattr(model, "_sd", None) or (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), None)
+
+
+# --------------------------------------------------------------------------
+# Helpers: walking the units, nn.Module's own traversal, meeting the other ranks
+# --------------------------------------------------------------------------
+def _units(model: nn.Module) -> Iterator[tuple[str, FSDP]]:
+    for path, m in model.named_modules():
+        if isinstance(m, FSDP):
+            yield clean_name(path), m
+
+
+def _key(prefix: str, fqn: str) -> str:
+    return f"{prefix}.{fqn}" if prefix else fqn
+
+
+@contextlib.contextmanager
+def _plain(model: nn.Module) -> Iterator[None]:
+    """Flat shards hidden, child units acting as plain modules: ``nn.Module.state_dict`` then
+    yields exactly the buffers and the unmanaged (ignored) parameters."""
+    global _nested
+    hidden = [(u, n, u._parameters.pop(n)) for _, u in _units(model) for n in ("_flat_param", "_flat_param_frozen")
+              if n in u._parameters]
+    _nested = True
+    try:
+        yield
+    finally:
+        _nested = False
+        for u, n, p in hidden:
+            u._parameters[n] = p
+
+
+def _group_ranks(model: nn.Module) -> list[int]:
+    ranks: set[int] = set()
+    for g in (model._shard_group, model._replicate_group):
+        if g is not None:
+            ranks.update(tdist.get_process_group_ranks(g))
+    return sorted(ranks) or [dist.rank()]
+
+
+def _all_ranks_enter(what: str, model: nn.Module) -> None:
+    """Meet every rank of the model's groups before the first collective, or fail naming the absent ones."""
+    ranks = _group_ranks(model)
+    if len(ranks) == 1:
+        return
+    store = tdist.distributed_c10d._get_default_store()
+    _entries[what] = _entries.get(what, 0) + 1
+    base = f"minifsdp/{what}/{_entries[what]}"
+    store.set(f"{base}/{dist.rank()}", "1")
+    keys = [f"{base}/{r}" for r in ranks]
+    deadline = time.monotonic() + ENTRY_TIMEOUT_S
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise RuntimeError(f"{what}() was called on rank {dist.rank()} but not on ranks {absent} within "
+                               f"{ENTRY_TIMEOUT_S:.0f}s; it gathers shards with collectives, so call it on every "
+                               "rank (rank0_only=True keeps the result on rank 0 only)")
+        time.sleep(0.005)
+
+
+def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """Every original parameter's clean key -> (its handle, its ParamInfo)."""
+    return {_key(prefix, info.fqn): (h, info) for prefix, u in _units(model) for h in u._handles for info in h.infos}
+
+
+# --------------------------------------------------------------------------
+# Model state dict
+# --------------------------------------------------------------------------
+def state_dict(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    if _nested:  # inside nn.Module's traversal: a child unit is a plain module
+        return nn.Module.state_dict(model, *args, **kwargs)
+    kind, cfg, _ = _settings(model)
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        return nn.Module.state_dict(model, *args, **kwargs)
+    if kind == StateDictType.FULL_STATE_DICT:
+        _all_ranks_enter("state_dict", model)
+        with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), _plain(model):
+            raw = nn.Module.state_dict(model)
+        out = {clean_name(k): v.detach().clone() for k, v in raw.items()}
+        _restore_buffer_dtypes(model, out)
+        rank0_only = getattr(cfg, "rank0_only", False)
+        return {} if rank0_only and dist.rank() != 0 else out
+    with _plain(model):  # SHARDED: buffers and unmanaged parameters as they are, flat pieces per parameter
+        out = {clean_name(k): v.detach().clone() for k, v in nn.Module.state_dict(model).items()}
+    for key, (h, info) in _expected(model).items():
+        start, end = h.local_piece(info)
+        lo = h.shard_rank * h.shard_numel
+        piece = h.flat_param.detach()[info.offset + start - lo:info.offset + end - lo].clone()
+        out[key] = FlatShard(piece.cpu() if cfg.offload_to_cpu else piece, start, info.shape)
+    _restore_buffer_dtypes(model, out)
+    return out
+
+
+def _restore_buffer_dtypes(model: nn.Module, out: dict[str, Any]) -> None:
+    """Buffers cast by MixedPrecision(buffer_dtype) are saved in their original dtype, as torch does."""
+    for path, m in model.named_modules():
+        for name, dtype in getattr(m, "_fsdp_buffer_dtypes", {}).items():
+            key = clean_name(f"{path}.{name}")
+            if key in out and torch.is_tensor(out[key]):
+                out[key] = out[key].to(dtype)
+
+
+def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True) -> Any:
+    """Load a FULL (any world size) or SHARDED (same world size) dict; names mismatched keys."""
+    kind, _, _ = _settings(model)
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        return nn.Module.load_state_dict(model, sd, strict)
+    for _, u in _units(model):  # a kept unsharded copy would be stale after loading
+        for h in u._handles:
+            h.reshard()
+    expected = _expected(model)
+    with _plain(model):
+        others = {clean_name(k): k for k in nn.Module.state_dict(model)}
+    missing = sorted((set(expected) | set(others)) - set(sd))
+    unexpected = sorted(set(sd) - set(expected) - set(others))
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_state_dict: checkpoint does not match this model: missing keys {missing[:6]}"
+                       f"{'...' if len(missing) > 6 else ''}, unexpected keys {unexpected[:6]}"
+                       f"{'...' if len(unexpected) > 6 else ''} (saved from another model?)")
+    for key, (h, info) in expected.items():
+        v = sd.get(key)
+        shape = v.shape if isinstance(v, FlatShard) else getattr(v, "shape", None)
+        if v is not None and tuple(shape) != tuple(info.shape):
+            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(shape)} in the checkpoint but "
+                             f"{tuple(info.shape)} in the model (saved from another model?)")
+    handles = {id(h): h for h, _ in expected.values()}
+    for h in handles.values():
+        _load_handle(h, [sd.get(k) for k, (hh, info) in expected.items() if hh is h and info.shared_with is None])
+    with _plain(model):
+        nn.Module.load_state_dict(model, {others[k]: v for k, v in sd.items() if k in others}, strict=False)
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+@torch.no_grad()
+def _load_handle(h: Any, values: list[Any]) -> None:
+    """Values of a handle's unique parameters (full tensors or FlatShards) -> its shard."""
+    if any(v is None for v in values):
+        return  # non-strict load of a partial checkpoint: leave this unit as it is
+    if isinstance(values[0], FlatShard):
+        h.flat_param.copy_(_shard_from_pieces(h, values))
+    else:
+        h.write_shard(h.flatten([v.to(h.device, h.dtype) for v in values]))
+
+
+def _shard_from_pieces(h: Any, pieces: list[FlatShard]) -> torch.Tensor:
+    for info, piece in zip(h.unique_infos, pieces):
+        if (piece.offset, piece.offset + piece.local.numel()) != h.local_piece(info):
+            raise ValueError(f"sharded checkpoint of {info.fqn!r} holds elements [{piece.offset}, "
+                             f"{piece.offset + piece.local.numel()}) but this rank needs {h.local_piece(info)}: "
+                             "it was saved at another world size; save and load a FULL_STATE_DICT instead")
+    flat = torch.cat([p.local.reshape(-1).to(h.flat_param.device, h.flat_param.dtype) for p in pieces])
+    return torch.cat([flat, flat.new_zeros(h.shard_numel - flat.numel())])
+
+
+# --------------------------------------------------------------------------
+# Optimizer state dict
+# --------------------------------------------------------------------------
+def _names_of_params(model: nn.Module) -> tuple[dict[int, Any], dict[int, str]]:
+    """id(flat shard) -> (handle, unit prefix); id(other parameter) -> its clean name."""
+    flat = {id(h.flat_param): (h, prefix) for prefix, u in _units(model) for h in u._handles}
+    names = {id(p): clean_name(n) for n, p in model.named_parameters() if id(p) not in flat}
+    return flat, names
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                     osd: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The optimizer's state keyed by the unwrapped model's parameter names (torch's format)."""
+    osd = osd if osd is not None else optim.state_dict()
+    kind, _, ocfg = _settings(model)
+    full = kind != StateDictType.SHARDED_STATE_DICT
+    if full:
+        _all_ranks_enter("optim_state_dict", model)
+    flat, names = _names_of_params(model)
+    params = [p for g in optim.param_groups for p in g["params"]]
+    state: dict[str, Any] = {}
+    fqns_of: dict[int, list[str]] = {}
+    for idx, p in enumerate(params):
+        if id(p) not in flat:
+            fqns_of[idx] = [names[id(p)]]
+            if idx in osd["state"]:
+                state[names[id(p)]] = osd["state"][idx]
+            continue
+        h, prefix = flat[id(p)]
+        infos = h.unique_infos
+        fqns_of[idx] = [_key(prefix, i.fqn) for i in infos]
+        per: dict[str, dict[str, Any]] = {f: {} for f in fqns_of[idx]}
+        for k, v in osd["state"].get(idx, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == h.flat_param.shape:  # sharded like the parameter
+                if full:
+                    views = h.unflatten(h.gather_full(v, dtype=v.dtype))
+                    for f, i in zip(fqns_of[idx], infos):
+                        per[f][k] = views[h.infos.index(i)].detach().cpu().clone()
+                else:
+                    lo = h.shard_rank * h.shard_numel
+                    for f, i in zip(fqns_of[idx], infos):
+                        s, e = h.local_piece(i)
+                        per[f][k] = FlatShard(v[i.offset + s - lo:i.offset + e - lo].detach().clone(), s, i.shape)
+            else:  # step counters and other scalars: every original parameter gets a copy
+                for f in per:
+                    per[f][k] = v.clone() if torch.is_tensor(v) else v
+        state.update({f: s for f, s in per.items() if s})
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [f for i in g["params"] for f in fqns_of[i]]} for g in osd["param_groups"]]
+    if full and isinstance(ocfg, FullOptimStateDictConfig) and ocfg.rank0_only and dist.rank() != 0:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """Turn a (full or sharded) name-keyed optimizer state dict back into ``optim.load_state_dict``'s format."""
+    flat, names = _names_of_params(model)
+    params = [p for g in optim.param_groups for p in g["params"]]
+    state: dict[int, Any] = {}
+    for idx, p in enumerate(params):
+        if id(p) not in flat:
+            if names[id(p)] in osd["state"]:
+                state[idx] = osd["state"][names[id(p)]]
+            continue
+        h, prefix = flat[id(p)]
+        infos = h.unique_infos
+        saved = [osd["state"].get(_key(prefix, i.fqn)) for i in infos]
+        if all(s is None for s in saved):
+            continue
+        absent = [_key(prefix, i.fqn) for i, s in zip(infos, saved) if s is None]
+        if absent:
+            raise KeyError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} (saved from another model?)")
+        new: dict[str, Any] = {}
+        for k, v0 in saved[0].items():
+            values = [s[k] for s in saved]
+            if isinstance(v0, FlatShard):
+                new[k] = _shard_from_pieces(h, values)
+            elif torch.is_tensor(v0) and k != "step" and v0.shape == infos[0].shape:
+                full = h.flatten([v.to(h.device, h.flat_param.dtype) for v in values])
+                new[k] = h.shard_of(full).clone().to(h.flat_param.device)
+            else:
+                new[k] = v0.clone() if torch.is_tensor(v0) else v0
+        state[idx] = new
+    if len(osd["param_groups"]) != len(optim.param_groups):
+        raise ValueError(f"optim_state_dict_to_load: checkpoint has {len(osd['param_groups'])} parameter groups, "
+                         f"the optimizer {len(optim.param_groups)}")
+    groups, start = [], 0
+    for saved_group, group in zip(osd["param_groups"], optim.param_groups):
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return {"state": state, "param_groups": groups}
