@@ -179,17 +179,21 @@ def _check_run(results, name, stage, n, clip=None, norm_type=2.0):
         assert sum(expected.values()) == want
 
 
-@pytest.mark.parametrize("stage,n,bucket", [(1, 1, 2**20), (1, 2, 2**20), (1, 3, 0), (1, 4, 2**20),
-                                            (2, 1, 2**20), (2, 2, 0), (2, 3, 2**20), (2, 4, 4096)])
-def test_gpt_parity_memory_and_bytes(stage, n, bucket):
-    """gpt-tiny (42880 parameters, 3 steps): same losses/params/state as one process; exact memory and bytes."""
-    results = launch(_zero_worker, n, "gpt-tiny", stage, STEPS, None, 2.0, bucket, timeout=120)
-    _check_run(results, "gpt-tiny", stage, n)
+# Eight runs cover stage x world size; some also clip (2-norm) or broadcast every parameter alone.
+@pytest.mark.parametrize("stage,n,bucket,clip", [(1, 1, 2**20, None), (1, 2, 2**20, 0.05), (1, 3, 0, None),
+                                                 (1, 4, 2**20, None), (2, 1, 2**20, 0.05), (2, 2, 0, None),
+                                                 (2, 3, 2**20, 0.05), (2, 4, 4096, None)])
+def test_gpt_parity_memory_and_bytes(stage, n, bucket, clip):
+    """gpt-tiny (42880 parameters, 3 steps): same losses/params/state (and clipped norms) as one process."""
+    results = launch(_zero_worker, n, "gpt-tiny", stage, STEPS, clip, 2.0, bucket, timeout=120)
+    _check_run(results, "gpt-tiny", stage, n, clip=clip)
+    if clip is not None:  # OSS.clip_grad_norm == torch.nn.utils.clip_grad_norm_, and it really clipped
+        assert min(_reference("gpt-tiny", STEPS, clip)[1]) > clip
     if n == 4:  # uneven: 42880 elements do not split into equal whole-parameter shards
         assert len({o["owned_bytes"] for o in results}) > 1
 
 
-@pytest.mark.parametrize("stage,n", [(1, 4), (2, 3), (2, 4)])
+@pytest.mark.parametrize("stage,n", [(1, 3), (2, 4)])
 def test_uneven_tiny_parameters_and_clipping(stage, n):
     """3 parameters (18, 3, 1 elements) on 3-4 ranks: a rank may own nothing; clipping with the inf norm."""
     results = launch(_zero_worker, n, "odd", stage, STEPS, 0.3, float("inf"), timeout=120)
@@ -197,14 +201,6 @@ def test_uneven_tiny_parameters_and_clipping(stage, n):
     if n == 4:
         assert sorted(o["owned_bytes"] for o in results) == [0, 4, 12, 72]
     assert max(_reference("odd", STEPS, 0.3, float("inf"))[1]) > 0.3  # the clip was active
-
-
-@pytest.mark.parametrize("stage,n", [(1, 2), (2, 3)])
-def test_clip_grad_norm_matches_torch(stage, n):
-    """OSS.clip_grad_norm (2-norm from shards + one all-reduce) == torch.nn.utils.clip_grad_norm_."""
-    results = launch(_zero_worker, n, "gpt-tiny", stage, STEPS, 0.05, timeout=120)
-    _check_run(results, "gpt-tiny", stage, n, clip=0.05)
-    assert min(_reference("gpt-tiny", STEPS, 0.05)[1]) > 0.05  # every step was clipped
 
 
 def _resume_worker(params, full_state, stage):
@@ -222,7 +218,7 @@ def _resume_worker(params, full_state, stage):
     return {"params": {k: v.clone() for k, v in module.state_dict().items()}, "round_trip": round_trip}
 
 
-@pytest.mark.parametrize("stage,n", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("stage,n", [(2, 3)])
 def test_load_state_dict_resumes_like_one_process(stage, n):
     _, _, states = _reference("gpt-tiny")
     params2, state2 = states[1]
@@ -255,7 +251,7 @@ def _no_sync_worker(stage):
     return {"params": {k: v.clone() for k, v in module.state_dict().items()}, "held": held_after_no_sync}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])
 def test_no_sync_gradient_accumulation(stage):
     results = launch(_no_sync_worker, 2, stage, timeout=120)
     numel = sum(p.numel() for p in _build("gpt-tiny").parameters())
@@ -325,7 +321,7 @@ def test_bad_input_errors_name_the_fix():
         oss.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])
 def test_inside_subgroups(stage):
     """4 ranks as two independent groups of 2 ({0,1}, {2,3}): each trains like a world of 2."""
     results = launch(_zero_worker, 4, "gpt-tiny", stage, STEPS, None, 2.0, 2**20, True, timeout=120)
@@ -359,7 +355,7 @@ def _torch_zero_worker(stage):
             "theirs": {k: v.clone() for k, v in theirs_module.state_dict().items()}, "states": states}
 
 
-@pytest.mark.parametrize("stage,n", [(1, 2), (2, 3)])
+@pytest.mark.parametrize("stage,n", [(2, 3)])
 def test_matches_torch_zero_redundancy_optimizer(stage, n):
     results = launch(_torch_zero_worker, n, stage, timeout=120)
     for out in results:
@@ -374,6 +370,8 @@ def test_matches_torch_zero_redundancy_optimizer(stage, n):
 
 def _peak_grad_worker(bound):
     """Exact gradient bytes held during ZeRO-2's backward, read after each gradient's hook."""
+    if isinstance(bound, list):
+        return [_peak_grad_worker(b) for b in bound]
     r, n = tdist.get_rank(), tdist.get_world_size()
     module = _build("gpt-tiny")
     opt = OSS(module.parameters(), lr=LR)
@@ -393,10 +391,8 @@ def _peak_grad_worker(bound):
     return peak[0], sum(p.numel() * 4 for p in opt.local_params), max(p.numel() * 4 for p in params)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_zero2_gradient_memory_during_backward_is_bounded(n):
-    """max_inflight_bytes=0: never more than the owned shard; 8 KiB: at most shard + 8 KiB + one gradient."""
-    for owned_peak, owned, _ in launch(_peak_grad_worker, n, 0, timeout=120):
-        assert owned_peak == owned
-    for peak, owned, biggest in launch(_peak_grad_worker, n, 8192, timeout=120):
+def test_zero2_gradient_memory_during_backward_is_bounded():
+    """4 ranks. max_inflight_bytes=0: never more than the owned shard; 8 KiB: at most shard + 8 KiB + one gradient."""
+    for (owned_peak, owned, _), (peak, owned_too, biggest) in launch(_peak_grad_worker, 4, [0, 8192], timeout=120):
+        assert owned_peak == owned == owned_too
         assert owned <= peak <= owned + 8192 + biggest
