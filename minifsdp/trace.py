@@ -85,11 +85,18 @@ class Trace:
     def compute_spans(self) -> list[Span]:
         return [s for s in self.spans if s.kind == COMPUTE]
 
-    def bytes_by_op(self) -> dict[str, int]:
-        """Total bytes this rank moved, per collective name."""
+    def bytes_by_op(self, within: str | None = None) -> dict[str, int]:
+        """Total bytes this rank moved, per collective name.
+
+        ``within="step"`` counts only collectives that started inside a compute
+        span named "step" (leaving out set-up traffic such as the initial
+        parameter broadcast).
+        """
+        windows = [(s.start, s.end) for s in self.compute_spans() if s.name == within]
         totals: dict[str, int] = {}
         for s in self.comm_spans():
-            totals[s.name] = totals.get(s.name, 0) + int(s.args.get("bytes", 0))
+            if within is None or any(a <= s.start <= b for a, b in windows):
+                totals[s.name] = totals.get(s.name, 0) + int(s.args.get("bytes", 0))
         return totals
 
     def peak_memory(self) -> MemorySample | None:

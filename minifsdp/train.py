@@ -289,7 +289,7 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         "median_step_time_s": [statistics.median(r["step_time_s"]) for r in results],
         "peak_bytes": [r["memory"].get("peak_total") for r in results],
         "peak_by_category": [r["memory"].get("peak_by_category") for r in results],
-        "bytes_per_step": [{op: b / cfg.steps for op, b in t.bytes_by_op().items()} for t in traces],
+        "bytes_per_step": [{op: b / cfg.steps for op, b in t.bytes_by_op(within="step").items()} for t in traces],
         "config": dataclasses.asdict(cfg),
     }
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
