@@ -474,9 +474,10 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     if not 0 <= src < world_size:
         raise ValueError(f"collective_diagram(): src must be a rank in 0..{world_size - 1}; got {src}")
     n = world_size
-    fig, ax = _new_axes(ax, (2.2 + 1.3 * n, 0.9 + 0.55 * n))
+    gap = 2.6  # room for the arrow and its label between the panels
+    width_units, height_units = 2 * n + gap + 1.4, n + 2.2
+    fig, ax = _new_axes(ax, (0.55 * width_units + 0.4, 0.55 * height_units + 0.6))
     before, after = _holdings(op, n, src)
-    gap = 1.6  # room for the arrow between the panels
     for panel, (x0, holdings) in enumerate(((0.0, before), (n + gap, after))):
         ax.text(x0 + n / 2, -0.35, ("before", "after")[panel], ha="center", va="bottom",
                 fontsize=10, fontweight="bold")
@@ -501,15 +502,17 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     ax.text(n + gap / 2, n / 2 - 0.15, op, ha="center", va="bottom", fontsize=8)
     nb = comm.collective_bytes(op, 1 << 20, n)
     vol, ring = nb["bytes"] / (1 << 20), nb["ring_bytes"] / (1 << 20)
-    caption = f"tensor of Ψ bytes: volume {vol:g}Ψ; with a ring each rank sends {ring:.3g}Ψ"
+    lines = [f"tensor of Ψ bytes: volume {vol:g}Ψ", f"ring: each rank sends {ring:.3g}Ψ"]
     if op in ("all_reduce", "reduce_scatter"):
-        caption += "\ndark blocks: sums over ranks (e.g. 1 + 11 + ...)"
+        lines.append("dark: summed over ranks")
     if op == "all_reduce":
-        caption += "; all_reduce = reduce_scatter + all_gather"
-    ax.text((2 * n + gap) / 2, n + 0.15, caption, ha="center", va="top", fontsize=8, color="#444444")
+        lines.append("all_reduce = reduce_scatter + all_gather")
+    ax.text((2 * n + gap) / 2, n + 0.1, "\n".join(lines), ha="center", va="top", fontsize=8,
+            color="#444444", linespacing=1.3)
     ax.set_xlim(-1.3, 2 * n + gap + 0.1)
-    ax.set_ylim(n + 0.75 + 0.3 * (op in ("all_reduce", "reduce_scatter")), -0.5)
+    ax.set_ylim(n + 0.35 * len(lines) + 0.2, -0.5)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"{op}, {n} ranks: {_DIAGRAMS[op].format(src=src)}", fontsize=10, pad=14)
+    ranks = f"{n} rank" + ("s" if n > 1 else "")
+    ax.set_title(f"{op}, {ranks}\n{_DIAGRAMS[op].format(src=src)}", fontsize=10, pad=14)
     return fig
