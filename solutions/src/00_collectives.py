@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -591,7 +592,8 @@ for n in (2, 4):
 print(f"{len(rows)} timed calls")
 
 # %%
-plot.bandwidth(rows, title="time per call vs tensor size S (dotted: constant algbw = S / t)")
+plot.bandwidth(rows, title="time per call vs tensor size S (dotted: constant algbw = S / t)",
+               xlabel="tensor size S (bytes)")
 
 # %%
 def median_row(op, n, nbytes):
@@ -607,6 +609,25 @@ for op in OPS:
             t, ring = median_row(op, n, nbytes)
             print(f"{op:<15}{n:>6}{plot.human_bytes(nbytes):>10}{t * 1e3:>9.2f} ms"
                   f"{nbytes / t / 1e9:>8.3f} GB/s{ring / t / 1e9:>8.3f} GB/s")
+
+# %% [markdown]
+# The same medians as bus bandwidth: with the ring factor taken out, the three
+# collectives can be compared with each other and across world sizes.
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 4))
+for op in OPS:
+    for n, style in ((2, "-o"), (4, "--s")):
+        medians = [median_row(op, n, nbytes) for nbytes in SIZES]
+        ax.plot(SIZES, [ring / t / 1e9 for t, ring in medians], style, color=plot.color_for(op),
+                label=f"{op}, {n} ranks")
+ax.set(xscale="log", yscale="log", xlabel="tensor size S (bytes)", ylabel="bus bandwidth (GB/s)",
+       title="busbw = ring bytes sent per rank / time (median)")
+ax.set_xticks(SIZES, [plot.human_bytes(nbytes) for nbytes in SIZES])
+ax.minorticks_off()
+ax.grid(alpha=0.3)
+ax.legend(fontsize=8)
+plt.show()
 
 # %% [markdown]
 # Fitting the α-β model to the all-reduce points (least squares on the
@@ -625,8 +646,9 @@ print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 # %% [markdown]
 # How to read this:
 #
-# * On the plot, a line parallel to the dotted diagonals is bandwidth-bound;
-#   a flat one latency-bound. Where does each curve bend?
+# * On the time plot, a line parallel to the dotted diagonals is
+#   bandwidth-bound; a flat one latency-bound. Where does each curve bend?
+#   On the bus-bandwidth plot the same bend is where the curves level off.
 # * Here the "network" is memory copies between processes on one machine,
 #   and the ranks share the CPU cores printed above: when there are more ranks
 #   than cores, ranks wait for a core, and the latency of small messages grows.
