@@ -194,7 +194,7 @@ def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True) -
     missing = sorted((set(expected) | set(others)) - set(sd))
     unexpected = sorted(set(sd) - set(expected) - set(others))
     if strict and (missing or unexpected):
-        raise KeyError(f"load_state_dict: checkpoint does not match this model: missing keys {missing[:6]}"
+        raise RuntimeError(f"load_state_dict: checkpoint does not match this model: missing keys {missing[:6]}"
                        f"{'...' if len(missing) > 6 else ''}, unexpected keys {unexpected[:6]}"
                        f"{'...' if len(unexpected) > 6 else ''} (saved from another model?)")
     for key, (h, info) in expected.items():
@@ -303,7 +303,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             continue
         absent = [_key(prefix, i.fqn) for i, s in zip(infos, saved) if s is None]
         if absent:
-            raise KeyError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} (saved from another model?)")
+            raise RuntimeError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} (saved from another model?)")
         new: dict[str, Any] = {}
         for k, v0 in saved[0].items():
             values = [s[k] for s in saved]

@@ -1,0 +1,177 @@
+"""FSDP checkpoints: full and sharded state dicts of model and optimizer, resume, errors.
+
+* FULL dict keys are the unwrapped model's keys; its optimizer state equals
+  the single-process AdamW state (fp32 tolerance ATOL/RTOL).
+* save -> stop -> load into a fresh process group -> continue gives
+  bit-identical losses (same world size), for FULL and SHARDED checkpoints.
+* a FULL checkpoint loads at another world size (losses within tolerance).
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from minifsdp import WorkerError, launch
+from minifsdp.fsdp import (FlatShard, FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP,
+                           ModuleWrapPolicy, StateDictType)
+
+ATOL, RTOL = 1e-5, 1e-4
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+def _model(**overrides):
+    from minifsdp.models import Block, build_model
+
+    return FSDP(build_model("gpt-tiny", seed=0, **overrides), auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def _steps(model, opt, first, count):
+    from minifsdp.models import lm_loss
+
+    n, r = tdist.get_world_size(), tdist.get_rank()
+    losses = []
+    for step in range(first, first + count):
+        data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        rows = slice(r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n)
+        loss = lm_loss(model(data[rows, :-1]), data[rows, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        tdist.all_reduce(loss)
+        losses.append(loss.item() / n)
+    return losses
+
+
+def _save_then_continue(path):
+    """Train 2 steps, save FULL (rank 0 file) and SHARDED (one file per rank), train 2 more."""
+    r = tdist.get_rank()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    _steps(model, opt, 0, 2)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True,
+                                                                                       rank0_only=True),
+                              FullOptimStateDictConfig(rank0_only=True)):
+        full = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+    if r == 0:
+        torch.save(full, f"{path}/full.pt")
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+    torch.save(sharded, f"{path}/sharded-rank{r}.pt")
+    after = _steps(model, opt, 2, 2)
+    return {"after": after, "full_keys": sorted(full["model"]), "full_empty_off_rank0": r != 0 and full == {
+        "model": {}, "optim": {}}, "full_optim": full["optim"] if r == 0 else None,
+        "sharded_types": sorted({type(v).__name__ for v in sharded["model"].values()})}
+
+
+def _load_then_continue(path, kind):
+    r = tdist.get_rank()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    file = f"{path}/full.pt" if kind == "full" else f"{path}/sharded-rank{r}.pt"
+    ckpt = torch.load(file, weights_only=False)
+    sd_type = StateDictType.FULL_STATE_DICT if kind == "full" else StateDictType.SHARDED_STATE_DICT
+    with FSDP.state_dict_type(model, sd_type):
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, ckpt["optim"]))
+    return _steps(model, opt, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    return path, launch(_save_then_continue, 2, str(path), timeout=120)
+
+
+def test_full_state_dict_keys_and_optimizer_state_match_single_process(saved):
+    from minifsdp.models import build_model, lm_loss
+
+    _, outs = saved
+    ref = build_model("gpt-tiny", seed=0)
+    assert outs[0]["full_keys"] == sorted(ref.state_dict())  # unwrapped names, tied head included
+    assert outs[1]["full_empty_off_rank0"]                    # rank0_only
+    assert outs[0]["sharded_types"] == ["FlatShard"]          # no non-persistent buffers, no gather
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(2):
+        data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        lm_loss(ref(data[:, :-1]), data[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    osd = outs[0]["full_optim"]
+    names = [n for n, _ in ref.named_parameters()]
+    assert osd["param_groups"][0]["params"] == names or sorted(osd["param_groups"][0]["params"]) == sorted(names)
+    for name, p in ref.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(osd["state"][name][k], opt.state[p][k], atol=ATOL, rtol=RTOL, msg=name)
+        assert osd["state"][name]["step"].item() == 2
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_resume_is_bit_exact(saved, kind):
+    path, outs = saved
+    resumed = launch(_load_then_continue, 2, str(path), kind, timeout=120)
+    assert resumed[0] == outs[0]["after"], f"{kind}: {resumed[0]} != {outs[0]['after']}"  # exact equality
+
+
+def test_full_checkpoint_loads_at_another_world_size(saved):
+    path, outs = saved
+    resumed = launch(_load_then_continue, 4, str(path), "full", timeout=120)
+    torch.testing.assert_close(resumed[0], outs[0]["after"], atol=ATOL, rtol=RTOL)
+
+
+def test_sharded_checkpoint_at_another_world_size_names_the_fix(saved):
+    path, _ = saved
+    with pytest.raises(WorkerError, match="saved at another world size; save and load a FULL_STATE_DICT"):
+        launch(_load_then_continue, 1, str(path), "sharded", timeout=120)
+
+
+def _state_dict_on_rank0_only():
+    from minifsdp.fsdp import state_dict
+
+    state_dict.ENTRY_TIMEOUT_S = 2.0
+    model = _model()
+    if tdist.get_rank() == 0:
+        model.state_dict()
+
+
+def test_state_dict_on_one_rank_errors_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"called on rank 0 but not on ranks \[1\].*call it on every rank"):
+        launch(_state_dict_on_rank0_only, 2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def _load_other_model(overrides):
+    model = _model()
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    other = _model(**overrides)
+    with FSDP.state_dict_type(other, StateDictType.FULL_STATE_DICT):
+        other.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"n_layer": 3}, r"does not match this model: missing keys \['blocks.2.attn.c_attn.bias'"),
+    ({"n_embd": 64, "n_head": 2}, r"'tok_emb.weight' has shape \(256, 32\) in the checkpoint but \(256, 64\)"),
+])
+def test_loading_another_models_checkpoint_names_the_keys(overrides, message):
+    with pytest.raises(WorkerError, match=message):
+        launch(_load_other_model, 2, overrides, timeout=60)
+
+
+def _local_roundtrip():
+    model = _model()
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            p.data.zero_()
+        model.load_state_dict(sd)
+        again = model.state_dict()
+    return sorted(sd)[:2], all(torch.equal(sd[k], again[k]) for k in sd), isinstance(FlatShard, type)
+
+
+def test_local_state_dict_round_trip():
+    keys, equal, _ = launch(_local_roundtrip, 2, timeout=60)[0]
+    assert keys == ["_flat_param", "_fsdp_wrapped_module.blocks.0._flat_param"] and equal
