@@ -128,6 +128,59 @@ def _torch_ddp(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
+@strategy("zero1")
+def _zero1(model: torch.nn.Module, cfg: TrainConfig):
+    from .zero import wrap_zero
+
+    return wrap_zero(model, stage=1, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+@strategy("zero2")
+def _zero2(model: torch.nn.Module, cfg: TrainConfig):
+    from .zero import wrap_zero
+
+    return wrap_zero(model, stage=2, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _torch_wrap_policy(cfg: TrainConfig) -> Any:
+    import functools
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if cfg.wrap == "block":
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
+    if cfg.wrap == "size":
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)
+    return None
+
+
+@strategy("torch-fsdp")
+def _torch_fsdp(model: torch.nn.Module, cfg: TrainConfig):
+    """PyTorch's FSDP1; on CPU it runs with ``device_id=cpu`` (PLATFORM-NOTES)."""
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    wrapped = TorchFSDP(model, auto_wrap_policy=_torch_wrap_policy(cfg), device_id=dist.device(),
+                        sharding_strategy=getattr(ShardingStrategy, cfg.sharding_strategy),
+                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None))
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+@strategy("torch-fsdp2")
+def _torch_fsdp2(model: torch.nn.Module, cfg: TrainConfig):
+    """PyTorch's FSDP2 (``fully_shard``): each Block, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
+    reshard = cfg.sharding_strategy != "SHARD_GRAD_OP"
+    for module in model.modules():
+        if isinstance(module, models.Block) and cfg.wrap != "none":
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, _adamw(model.parameters(), cfg)
+
+
 def validate(cfg: TrainConfig) -> None:
     """One-line errors that name the fix, before any process starts."""
     if cfg.strategy not in STRATEGIES:
