@@ -167,7 +167,9 @@ def _mp_context() -> Any:
     if _context is None:
         if "forkserver" in mp.get_all_start_methods():
             _context = mp.get_context("forkserver")
-            _context.set_forkserver_preload([__name__])
+            # torch._dynamo is imported lazily by the first op under a TorchDispatchMode
+            # (the memory tracker): 2-4 s per rank unless the forkserver already holds it.
+            _context.set_forkserver_preload([__name__, "torch._dynamo"])
         else:  # Windows
             _context = mp.get_context("spawn")
     return _context
