@@ -396,3 +396,28 @@ def test_zero2_gradient_memory_during_backward_is_bounded():
     for (owned_peak, owned, _), (peak, owned_too, biggest) in launch(_peak_grad_worker, 4, [0, 8192], timeout=120):
         assert owned_peak == owned == owned_too
         assert owned <= peak <= owned + 8192 + biggest
+
+
+def _tied_frozen_unused(stage=None):
+    """gpt-tiny with tied embeddings, a frozen position embedding and an unused Linear."""
+    torch.manual_seed(0)
+    module = models.build_model("gpt-tiny", seed=0, tie_embeddings=True)
+    module.pos_emb.weight.requires_grad_(False)
+    module.unused = nn.Linear(3, 3)
+    if stage is None:
+        model, opt, r, n = module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD, eps=EPS), 0, 1
+    else:
+        model, opt = wrap_zero(module, stage, lr=LR, weight_decay=WD, eps=EPS)
+        r, n = tdist.get_rank(), tdist.get_world_size()
+    for step in range(STEPS):
+        _loss("gpt-tiny", model, *_batch("gpt-tiny", step, slice(r * B // n, (r + 1) * B // n))).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_tied_frozen_and_unused_parameters():
+    """A tied weight counts (and is reduced) once; frozen and unused parameters stay as they were."""
+    want = _tied_frozen_unused()
+    for got in launch(_tied_frozen_unused, 3, 2, timeout=120):
+        _assert_same_params(got, want)

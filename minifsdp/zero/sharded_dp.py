@@ -186,6 +186,7 @@ def wrap_zero(model: nn.Module, stage: int, optim_cls: type[torch.optim.Optimize
     """
     if stage not in (1, 2):
         raise ValueError(f"wrap_zero supports stage 1 or 2, got {stage!r}; for stage 3 use minifsdp.fsdp")
-    optimizer = OSS(model.parameters(), optim=optim_cls, group=group, **optim_kwargs)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen ones need no state, no broadcast
+    optimizer = OSS(trainable, optim=optim_cls, group=group, **optim_kwargs)
     wrapped = ShardedDataParallel(model, optimizer, process_group=group, shard_gradients=(stage == 2))
     return wrapped, optimizer
