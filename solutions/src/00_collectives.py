@@ -309,8 +309,9 @@ def my_all_gather(x: torch.Tensor) -> torch.Tensor:
     chunks[r].copy_(x)
     right, left = (r + 1) % n, (r - 1) % n
     # BEGIN SOLUTION
-    # HINT: n - 1 steps; at step s send chunks[(r - s) % n] to the right neighbour and receive
-    # HINT: chunks[(r - s - 1) % n] from the left one (comm.isend + comm.irecv, then wait on both).
+    # HINT: n - 1 steps; in each, comm.isend to the right the chunk you got in the previous step (your
+    # HINT: own at step 0), comm.irecv from the left into the chunk that comes next, then wait on both.
+    # HINT: The table above gives the chunk indices.
     for step in range(n - 1):
         sending = comm.isend(chunks[(r - step) % n], right)
         receiving = comm.irecv(chunks[(r - step - 1) % n], left)
@@ -394,8 +395,9 @@ def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     incoming = torch.empty_like(chunks[0])
     right, left = (r + 1) % n, (r - 1) % n
     # BEGIN SOLUTION
-    # HINT: n - 1 steps; at step s isend chunks[(r - s - 1) % n] to the right, irecv into `incoming`
-    # HINT: from the left, wait on both, then add `incoming` into chunks[(r - s - 2) % n].
+    # HINT: n - 1 steps; in each, comm.isend one of your chunks to the right, comm.irecv into `incoming`
+    # HINT: from the left, wait on both, then add `incoming` into your own copy of that chunk.
+    # HINT: The table above gives the chunk indices; you must end with chunk r complete.
     for step in range(n - 1):
         sending = comm.isend(chunks[(r - step - 1) % n], right)
         receiving = comm.irecv(incoming, left)
@@ -640,7 +642,7 @@ for n in (2, 4):
     t = np.array([median_row("all_reduce", n, s)[0] for s in SIZES])
     inv_bw, alpha = np.polyfit(x, t, 1, w=1 / t)
     bw = f"{1 / inv_bw / 1e9:.2f} GB/s" if inv_bw > 0 else "not measurable (no growth with size)"
-    print(f"all_reduce, {n} ranks: alpha = {alpha * 1e6:.0f} us per call, bus bandwidth B = {bw}")
+    print(f"all_reduce, {n} ranks: alpha = {max(alpha, 0) * 1e6:.0f} us per call, bus bandwidth B = {bw}")
 print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 
 # %% [markdown]
@@ -649,8 +651,8 @@ print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 # * On the time plot, a line parallel to the dotted diagonals is
 #   bandwidth-bound; a flat one latency-bound. Where does each curve bend?
 #   On the bus-bandwidth plot the same bend is where the curves level off.
-# * Here the "network" is memory copies between processes on one machine,
-#   and the ranks share the CPU cores printed above: when there are more ranks
+# * Here the "network" is gloo's TCP over the loopback interface between
+#   processes on one machine, and the ranks share the CPU cores printed above: when there are more ranks
 #   than cores, ranks wait for a core, and the latency of small messages grows.
 # * On GPUs with NVLink, nccl-tests reports bus bandwidths close to the link
 #   speed for large messages — that is the number to compare with the
@@ -736,5 +738,8 @@ for name in ("forward", "backward", "all_reduce", "optimizer"):  # 3 steps x 2 r
 #   `2(N-1)/N · S` bytes per rank for an all-reduce, `(N-1)/N · S` for each half.
 # * Time is latency plus bytes over bandwidth; bus bandwidth is the number
 #   that compares with the wires.
+# * Past one machine, the same worker code runs under `torchrun`: call
+#   `minifsdp.dist.init()` once at the top of the script (it reads torchrun's
+#   environment), then `comm` works as it does here.
 #
 # Next: **01 — memory anatomy**, where the bytes of a training step live.
