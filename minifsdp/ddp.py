@@ -161,14 +161,21 @@ class NaiveDataParallel(nn.Module):
 # --------------------------------------------------------------------------
 # 2. Buckets: which gradients travel together
 # --------------------------------------------------------------------------
-def bucket_assignment(params: list[torch.Tensor], bucket_cap_mb: float) -> list[list[int]]:
+DEFAULT_BUCKET_CAP_MB = 25.0   # torch's default
+FIRST_BUCKET_MB = 1.0          # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, used with the default cap
+
+
+def bucket_assignment(params: list[torch.Tensor], bucket_cap_mb: float,
+                      first_bucket_mb: float | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_cap_mb`` MiB, in REVERSE order.
 
     Reverse, because backward produces the last layer's gradients first: the
     first bucket fills (and its all-reduce starts) while earlier layers are
-    still computing. Tensors of different dtype or device never share a bucket
-    (a bucket is one flat tensor). A tensor larger than the cap gets a bucket
-    of its own - the cap is exceeded only then.
+    still computing. ``first_bucket_mb`` caps the first bucket (of each
+    dtype) lower, so the network gets busy sooner (torch: 1 MiB when the cap
+    is left at its default). Tensors of different dtype or device never
+    share a bucket (a bucket is one flat tensor). A tensor larger than the
+    cap gets a bucket of its own - the cap is exceeded only then.
 
     Three fp32 tensors of 100, 200 and 300 elements (400, 800, 1200 bytes), cap 2000 bytes:
     reversed they are [2, 1, 0]; 1200 + 800 = 2000 fits, adding 400 would not:
@@ -176,18 +183,25 @@ def bucket_assignment(params: list[torch.Tensor], bucket_cap_mb: float) -> list[
     >>> ts = [torch.zeros(100), torch.zeros(200), torch.zeros(300)]
     >>> bucket_assignment(ts, bucket_cap_mb=2000 / 2**20)
     [[2, 1], [0]]
+    >>> bucket_assignment(ts, bucket_cap_mb=2000 / 2**20, first_bucket_mb=1200 / 2**20)
+    [[2], [1, 0]]
     """
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; torch's default is 25")
+    if bucket_cap_mb <= 0 or (first_bucket_mb is not None and first_bucket_mb <= 0):
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb} (first bucket: {first_bucket_mb}); "
+                         "torch's default is 25")
     cap = int(bucket_cap_mb * 1024 * 1024)
+    first_cap = min(cap, int(first_bucket_mb * 1024 * 1024)) if first_bucket_mb else cap
     buckets: list[list[int]] = []
     open_: dict[tuple, tuple[list[int], int]] = {}  # (dtype, device) -> (indices, bytes)
+    closed_keys: set[tuple] = set()                  # keys whose first bucket is done
     for i in reversed(range(len(params))):
         key = (params[i].dtype, params[i].device)
         nbytes = params[i].numel() * params[i].element_size()
         idx, size = open_.get(key, ([], 0))
-        if idx and size + nbytes > cap:  # this tensor would overflow: close the bucket first
+        limit = cap if key in closed_keys else first_cap
+        if idx and size + nbytes > limit:  # this tensor would overflow: close the bucket first
             buckets.append(idx)
+            closed_keys.add(key)
             idx, size = [], 0
         open_[key] = (idx + [i], size + nbytes)
     buckets.extend(idx for idx, _ in open_.values() if idx)
@@ -222,7 +236,10 @@ class DistributedDataParallel(nn.Module):
     * ``device_ids`` - ``None`` for CPU modules; ``[i]`` (or ``None``) for a module on ``cuda:i``.
     * ``output_device``, ``dim`` - accepted for compatibility; outputs are not moved (``dim`` must be 0).
     * ``broadcast_buffers`` - broadcast rank 0's buffers before every forward (e.g. BatchNorm stats).
-    * ``bucket_cap_mb`` - bucket size in MiB (torch: 25; torch also uses a 1 MiB first bucket; we don't).
+    * ``bucket_cap_mb`` - bucket size in MiB. ``None`` (the default) means 25 MiB with a 1 MiB
+      first bucket, as torch; an explicit value is used for every bucket, as torch. (torch also
+      rebuilds its buckets after the first step in the order gradients arrived; we keep reverse
+      parameter order, which is that order for a model whose layers run in definition order.)
     * ``find_unused_parameters`` - see below. ``gradient_as_bucket_view`` - ``p.grad`` *is* the
       bucket slice: no copy in or out, one gradient-sized buffer saved.
 
@@ -263,7 +280,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group: ProcessGroup | None = None,
-                 bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False, *,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False, *,
                  gradient_as_bucket_view: bool = False):
         super().__init__()
         dist.require_initialized("DistributedDataParallel")
@@ -291,7 +308,9 @@ class DistributedDataParallel(nn.Module):
         # Lay out the buckets (reverse order) and remember where each parameter lives.
         self.buckets: list[Bucket] = []
         self._bucket_of: list[int] = [0] * len(self._params)
-        for b, indices in enumerate(bucket_assignment(self._params, bucket_cap_mb or 25)):
+        first_mb = FIRST_BUCKET_MB if bucket_cap_mb is None else None
+        layout = bucket_assignment(self._params, bucket_cap_mb or DEFAULT_BUCKET_CAP_MB, first_mb)
+        for b, indices in enumerate(layout):
             ps = [self._params[i] for i in indices]
             buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
             views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in ps]), ps)]

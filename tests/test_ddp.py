@@ -122,6 +122,8 @@ def test_bucket_assignment_reverse_order_and_cap():
     # dtypes never share a bucket (a bucket is one flat tensor)
     mixed = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10)]
     assert sorted(bucket_assignment(mixed, 1)) == [[1], [2, 0]]
+    # a smaller first bucket (torch: 1 MiB when bucket_cap_mb is left at its default)
+    assert bucket_assignment(ts, 2000 / 2**20, first_bucket_mb=1200 / 2**20) == [[2], [1, 0]]
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
         bucket_assignment(ts, 0)
 
@@ -145,6 +147,18 @@ def test_ddp_buckets_on_gpt():
         if i + 1 < len(buckets):                                       # greedy: the next tensor did not fit
             assert nbytes + sizes[buckets[i + 1][0][0]] > cap
     assert all(k.startswith("module.") for k in sd_keys)                # state_dict keys like torch DDP
+
+
+def _default_layout():
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(256, 256) for _ in range(10)]))
+    return [b.nbytes for b in model.buckets]
+
+
+def test_default_cap_has_a_small_first_bucket_like_torch():
+    sizes = launch(_default_layout, 1, timeout=60)[0]
+    total = 10 * (256 * 256 + 256) * 4                      # 2.5 MiB of fp32 parameters
+    assert sum(sizes) == total and len(sizes) == 2
+    assert sizes[0] <= 2**20 and sizes[0] + 256 * 256 * 4 > 2**20   # first bucket: as full as 1 MiB allows
 
 
 def _traced_step(kind: str, cap_mb: float, accum: int = 1, pattern: str = "right") -> dict:
