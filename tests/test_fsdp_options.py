@@ -1,0 +1,340 @@
+"""FSDP options, each with an effect a test observes: prefetch order in the trace, the all-gather
+limit, bf16 mixed precision (loss within BF16_RTOL of fp32, bf16 on the wire), CPU offload,
+ignored modules, sync_module_states, summon_full_params, user code written for torch's FSDP
+and FairScale, and a process group made by torchrun."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from minifsdp import launch, trace
+from minifsdp.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
+                           ModuleWrapPolicy, StateDictType, auto_wrap, enable_wrap, wrap)
+
+ATOL, RTOL = 1e-5, 1e-4   # fp32 parity
+BF16_RTOL = 1e-2          # bf16 keeps 8 significant bits: the bf16 loss itself is rounded to 2^-5 near 5.5
+
+
+def _gpt(**overrides):
+    from minifsdp.models import build_model
+
+    return build_model("gpt-tiny", seed=0, **overrides)
+
+
+def _data(step, n=1, r=0, batch=8, seq=16):
+    data = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+    rows = slice(r * batch // n, (r + 1) * batch // n)
+    return data[rows, :-1], data[rows, 1:]
+
+
+def _train(model, steps, clip=None):
+    from minifsdp.models import lm_loss
+
+    n, r = (tdist.get_world_size(), tdist.get_rank()) if tdist.is_initialized() else (1, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = _data(step, n, r)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().float()
+        if tdist.is_initialized():
+            tdist.all_reduce(loss)
+        losses.append(loss.item() / n)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def fp32_losses():
+    return _train(_gpt(), 3)
+
+
+# --------------------------------------------------------------------------
+# Prefetch and the all-gather limit, seen in the trace
+# --------------------------------------------------------------------------
+def _prefetch_trace(backward_prefetch, forward_prefetch):
+    from minifsdp.models import Block
+
+    model = FSDP(_gpt(n_layer=3), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=backward_prefetch,
+                 forward_prefetch=forward_prefetch)
+    with trace.Tracer() as tracer:
+        losses = _train(model, 2)
+    spans = [(s.name, s.kind, s.start, s.args.get("unit"), s.args.get("dtype")) for s in tracer.trace.spans]
+    return losses, spans
+
+
+def _last(spans, name, unit):
+    return [s for s in spans if s[0] == name and s[3] == unit][-1][2]
+
+
+@pytest.mark.parametrize("prefetch", ["BACKWARD_PRE", "BACKWARD_POST", None])
+def test_backward_prefetch_moves_the_next_all_gather(prefetch, fp32_losses):
+    bp = BackwardPrefetch[prefetch] if prefetch else None
+    losses, spans = launch(_prefetch_trace, 2, bp, False, timeout=120)[0]
+    # Backward runs blocks.2, blocks.1, blocks.0: when does blocks.1's backward all-gather start?
+    gather = _last(spans, "all_gather", "blocks.1")           # the last one of step 2 is backward's
+    post_b2 = _last(spans, "post_backward blocks.2", "blocks.2")
+    pre_b2 = _last(spans, "pre_backward blocks.2", "blocks.2")
+    pre_b1 = _last(spans, "pre_backward blocks.1", "blocks.1")
+    if prefetch == "BACKWARD_PRE":     # issued in blocks.2's pre-backward, before its gradient compute
+        assert pre_b2 < gather < post_b2
+    elif prefetch == "BACKWARD_POST":  # issued once blocks.2's gradients are done
+        assert post_b2 < gather < pre_b1
+    else:                              # on demand, when blocks.1's own backward starts
+        assert pre_b1 < gather
+    # every collective names its unit; every unit is freed after use
+    assert all(s[3] for s in spans if s[1] == "comm")
+    assert {s[3] for s in spans if s[0].startswith("reshard")} >= {"blocks.0", "blocks.1", "blocks.2", "root"}
+    # prefetch never changes the numbers (loss of a 3-layer GPT: compare with itself across options)
+    assert len(losses) == 2
+
+
+def test_forward_prefetch_gathers_the_next_unit_early():
+    def second_step(forward_prefetch):
+        _, spans = launch(_prefetch_trace, 2, BackwardPrefetch.BACKWARD_PRE, forward_prefetch, timeout=120)[0]
+        return [s for s in spans if s[2] >= _last(spans, "forward root", "root")]
+
+    def first(spans, name, unit=None):
+        return next(s[2] for s in spans if s[0] == name and unit in (None, s[3]))
+    spans = second_step(True)   # the order of the first step is known: blocks.1 follows blocks.0
+    assert first(spans, "forward blocks.0") < first(spans, "all_gather", "blocks.1") < first(spans, "forward blocks.1")
+    spans = second_step(False)  # gathered on demand inside its own forward
+    assert first(spans, "forward blocks.1") < first(spans, "all_gather", "blocks.1")
+
+
+def _nested_units(limit):
+    torch.manual_seed(0)
+    unit = functools.partial(FSDP, forward_prefetch=True, limit_all_gathers=limit)
+    model = unit(nn.Sequential(unit(nn.Sequential(nn.Linear(8, 8), unit(nn.Linear(8, 8)))), unit(nn.Linear(8, 8)),
+                               nn.Linear(8, 2)))
+    opt = torch.optim.AdamW(model.parameters())
+    losses = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + tdist.get_rank()))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.stats, losses
+
+
+def test_limit_all_gathers_bounds_unsharded_units():
+    limited, l1 = launch(_nested_units, 2, True, timeout=120)[0]
+    free, l2 = launch(_nested_units, 2, False, timeout=120)[0]
+    # forward order: root, outer, inner, second. In inner's forward the prefetch of "second" would make
+    # three non-root units unsharded (outer, inner, second): the limit skips it.
+    assert limited["peak_unsharded_units"] == 2 and limited["prefetches_skipped"] >= 1
+    assert free["peak_unsharded_units"] == 3 and free["prefetches_skipped"] == 0
+    assert l1 == l2
+
+
+# --------------------------------------------------------------------------
+# Mixed precision and CPU offload
+# --------------------------------------------------------------------------
+def _mixed(mp):
+    from minifsdp.models import Block
+
+    model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp)
+    with trace.Tracer() as tracer:
+        losses = _train(model, 3)
+    dtypes = {(s.name, s.args["dtype"]) for s in tracer.trace.comm_spans() if s.name in ("all_gather", "reduce_scatter")}
+    masters = {str(p.dtype) for p in model.parameters()}
+    return losses, dtypes, masters
+
+
+def test_bf16_mixed_precision(fp32_losses):
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    losses, dtypes, masters = launch(_mixed, 2, bf16, timeout=120)[0]
+    torch.testing.assert_close(losses, fp32_losses, atol=0, rtol=BF16_RTOL)
+    assert losses != fp32_losses                      # it really computed in bf16
+    assert dtypes == {("all_gather", "bfloat16"), ("reduce_scatter", "bfloat16")}
+    assert masters == {"torch.float32"}               # the sharded master copy stays fp32
+    # fp32 reduction of bf16 gradients; FairScale's mixed_precision=True shorthand
+    _, dtypes, _ = launch(_mixed, 2, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                          timeout=120)[0]
+    assert dtypes == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
+    losses_true, _, _ = launch(_mixed, 2, True, timeout=120)[0]
+    assert losses_true == losses
+
+
+def _offloaded():
+    from minifsdp.models import Block
+
+    model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
+    losses = _train(model, 3)
+    from minifsdp.models import lm_loss
+    x, y = _data(0, 2, tdist.get_rank())
+    lm_loss(model(x), y).backward()  # leave gradients in place to look at them
+    handles = [h for u in model.modules() if isinstance(u, FSDP) for h in u._handles]
+    return losses, {
+        "shard_devices": {str(h.flat_param.device) for h in handles},
+        "grad_devices": {str(h.flat_param.grad.device) for h in handles if h.flat_param.grad is not None},
+        "distinct": all(not h.aliased and h._full.data_ptr() != h.flat_param.data_ptr() for h in handles),
+        "freed": all(h._full.untyped_storage().nbytes() == 0 for h in handles),
+    }
+
+
+def test_cpu_offload_plumbing(fp32_losses):
+    # On this CPU-only machine the compute device is the CPU too: nothing moves, but the shard and
+    # the unsharded buffer are distinct host tensors and the latter is freed after use.
+    losses, info = launch(_offloaded, 2, timeout=120)[0]
+    torch.testing.assert_close(losses, fp32_losses, atol=ATOL, rtol=RTOL)
+    assert info == {"shard_devices": {"cpu"}, "grad_devices": {"cpu"}, "distinct": True, "freed": True}
+
+
+# --------------------------------------------------------------------------
+# ignored_modules, sync_module_states, summon_full_params
+# --------------------------------------------------------------------------
+def _ignored():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = FSDP(net, ignored_modules=[net[2]], auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(tdist.get_rank()))
+    model(x).sum().backward()
+    ignored = net[2].weight
+    return {"kept": isinstance(ignored, nn.Parameter) and tuple(ignored.shape) == (8, 8),
+            "not_wrapped": not isinstance(net[2], FSDP) and isinstance(net[0], FSDP),
+            "in_parameters": any(p is ignored for p in model.parameters()),
+            "grad": ignored.grad.clone()}
+
+
+def test_ignored_modules_stay_plain_and_unsynchronized():
+    outs = launch(_ignored, 2, timeout=60)
+    for o in outs:
+        assert o["kept"] and o["not_wrapped"] and o["in_parameters"]
+    assert not torch.allclose(outs[0]["grad"], outs[1]["grad"])  # local gradients: FSDP does not touch them
+
+
+def _sync_and_summon():
+    from minifsdp.models import Block
+
+    model = FSDP(_gpt_seeded(tdist.get_rank()), auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        synced = model.state_dict()
+    with FSDP.summon_full_params(model):
+        names = [n for n, _ in model.named_parameters()]
+        model.blocks[0].ln_1.weight.data.fill_(7.0)  # written back to the shards on exit
+    with FSDP.summon_full_params(model, writeback=False):
+        model.blocks[1].ln_1.weight.data.fill_(9.0)  # discarded
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        after = model.state_dict()
+    return synced, names, after
+
+
+def _gpt_seeded(seed):
+    from minifsdp.models import build_model
+
+    return build_model("gpt-tiny", seed=seed)
+
+
+def test_sync_module_states_and_summon_full_params():
+    outs = launch(_sync_and_summon, 2, timeout=60)
+    rank0_init = _gpt_seeded(0).state_dict()
+    for synced, names, after in outs:
+        for k, v in rank0_init.items():
+            assert torch.equal(synced[k], v), k   # rank 1 started from seed 1, now holds rank 0's weights
+        assert "blocks.0.ln_1.weight" in {n.replace("_fsdp_wrapped_module.", "") for n in names}
+        assert torch.equal(after["blocks.0.ln_1.weight"], torch.full((32,), 7.0))
+        assert torch.equal(after["blocks.1.ln_1.weight"], rank0_init["blocks.1.ln_1.weight"])
+
+
+# --------------------------------------------------------------------------
+# Code written for torch's FSDP / FairScale: only the import changes
+# --------------------------------------------------------------------------
+def _as_a_torch_user_writes_it(impl):
+    if impl == "torch":
+        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    else:
+        from minifsdp.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
+        from minifsdp.fsdp.wrap import size_based_auto_wrap_policy
+    model = FSDP(_gpt(), auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=10_000),
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                                buffer_dtype=torch.bfloat16),
+                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True, limit_all_gathers=True,
+                 device_id=torch.device("cpu"))
+    units = sorted(n for n, m in model.named_modules() if isinstance(m, FSDP))
+    return _train(model, 3), units
+
+
+def test_torch_fsdp_user_code_runs_unchanged(fp32_losses):
+    ours, our_units = launch(_as_a_torch_user_writes_it, 2, "minifsdp", timeout=120)[0]
+    theirs, their_units = launch(_as_a_torch_user_writes_it, 2, "torch", timeout=120)[0]
+    assert our_units == their_units  # same policy, same units (each Block: 12,704 params)
+    print(f"bf16 losses: minifsdp {ours}, torch FSDP {theirs}, fp32 {fp32_losses}")
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=BF16_RTOL)
+    torch.testing.assert_close(ours, fp32_losses, atol=0, rtol=BF16_RTOL)
+
+
+def _fairscale_style():
+    torch.manual_seed(0)
+    with enable_wrap(wrapper_cls=FSDP, reshard_after_forward=True):
+        model = wrap(nn.Sequential(wrap(nn.Linear(8, 16)), nn.ReLU(), auto_wrap(nn.Sequential(nn.Linear(16, 16))),
+                                   nn.Linear(16, 4)))
+    r = tdist.get_rank()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))[r * 4:(r + 1) * 4]
+    model(x).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return sorted(n for n, m in model.named_modules() if isinstance(m, FSDP)), model.state_dict()
+
+
+def test_fairscale_enable_wrap_and_auto_wrap():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16)), nn.Linear(16, 4))
+    ref(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    units, sd = launch(_fairscale_style, 2, timeout=60)[0]
+    assert units == ["", "_fsdp_wrapped_module.0"]  # auto_wrap's default policy (1e8 params) wraps nothing here
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, atol=ATOL, rtol=RTOL, msg=k)
+
+
+TORCHRUN_SCRIPT = """
+import json, torch, torch.distributed as dist, torch.nn as nn
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+dist.init_process_group("gloo")                     # the user's own group, torchrun's env://
+torch.manual_seed(0)
+model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+r, n = dist.get_rank(), dist.get_world_size()
+losses = []
+for step in range(3):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))[r * 8 // n:(r + 1) * 8 // n]
+    loss = model(x).square().mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+    loss = loss.detach(); dist.all_reduce(loss); losses.append(loss.item() / n)
+if r == 0:
+    print("LOSSES", json.dumps(losses))
+dist.destroy_process_group()
+"""
+
+
+def test_works_in_a_torchrun_process_group(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = json.loads(out.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    expected = []
+    for step in range(3):
+        loss = ref(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    torch.testing.assert_close(losses, expected, atol=ATOL, rtol=RTOL)
