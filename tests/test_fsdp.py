@@ -298,3 +298,43 @@ def _hybrid_bad_group():
 def test_bad_input_names_the_fix(fn, message):
     with pytest.raises(WorkerError, match=message):
         launch(fn, 2, timeout=60)
+
+
+# --------------------------------------------------------------------------
+# Memory by category (minifsdp.memory): what FULL_SHARD saves over SHARD_GRAD_OP
+# --------------------------------------------------------------------------
+def _memory_by_category(strategy):
+    from minifsdp.memory import MemoryTracker
+    from minifsdp.models import Block, build_model, lm_loss
+
+    model = FSDP(build_model("gpt-tiny", seed=0, n_layer=4), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 sharding_strategy=ShardingStrategy[strategy])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = MemoryTracker(sample_every=1)  # a sample after every op: exact per-category peaks
+    tracker.track_model(model)
+    with tracker:
+        data = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+        lm_loss(model(data[:, :-1]), data[:, 1:]).backward()
+        opt.step()
+        live = tracker.snapshot("after step")
+    peak = {c: max(s.bytes_by_category.get(c, 0) for s in tracker.samples) for c in ("unsharded_params",
+                                                                                    "unsharded_grads")}
+    units = {u._name: 4 * h.padded_numel for u in model.modules() if isinstance(u, FSDP) for h in u._handles}
+    shards = sum(4 * p.numel() for p in model.parameters())
+    return peak, live, units, shards
+
+
+def test_memory_by_category_full_shard_vs_shard_grad_op():
+    full_peak, full_live, units, shards = launch(_memory_by_category, 2, "FULL_SHARD", timeout=120)[0]
+    zero2_peak, _, _, _ = launch(_memory_by_category, 2, "SHARD_GRAD_OP", timeout=120)[0]
+    block = units["blocks.0"]
+    assert set(units) == {"root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"}
+    # FULL_SHARD: at most the root (kept from forward to backward), the block computing and the one
+    # prefetched (BACKWARD_PRE) are unsharded at once; SHARD_GRAD_OP keeps every unit from forward on.
+    assert full_peak["unsharded_params"] == units["root"] + 2 * block
+    assert zero2_peak["unsharded_params"] == sum(units.values())
+    # unsharded gradients: the unit being reduced and the next one, never the whole model
+    assert 0 < full_peak["unsharded_grads"] <= units["root"] + block
+    # after the step: only shards are left (parameters exactly the flat shards)
+    assert full_live["unsharded_params"] == 0 and full_live.get("unsharded_grads", 0) == 0
+    assert full_live["parameters"] == shards == sum(units.values()) // 2

@@ -46,11 +46,13 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from .. import comm, dist, trace
+from .. import comm, dist, memory, trace
 
-__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK"]
+__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK", "UNSHARDED_PARAMS", "UNSHARDED_GRADS", "label"]
 
 FLATTENED_MARK = "_minifsdp_flattened_into"  # set on original parameters once flattened
+# Memory-tracker categories for FSDP's own buffers (the shards are "parameters" / "gradients").
+UNSHARDED_PARAMS, UNSHARDED_GRADS = "unsharded_params", "unsharded_grads"
 
 
 @dataclass
@@ -74,6 +76,13 @@ def tag(handle: comm.Handle | None, unit: str) -> None:
     """
     if handle is not None and hasattr(handle, "_args"):
         handle._args["unit"] = unit
+
+
+def label(t: torch.Tensor | None, category: str) -> None:
+    """Tell every active ``memory.MemoryTracker`` what ``t``'s bytes are (no-op without one)."""
+    if t is not None:
+        for tracker in list(memory._active):  # memory.py has no public accessor for active trackers yet
+            tracker.register(t, category)
 
 
 class FlatParamHandle:
@@ -189,6 +198,7 @@ class FlatParamHandle:
         """Make ``_full`` hold the whole flat tensor: allocate, then all-gather the shards into it."""
         if self._pending is None and not self.is_unsharded():
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+            label(self._full, UNSHARDED_PARAMS)
             src = self.flat_param.detach().to(self.device, self.compute_dtype)  # copy if offloaded / low precision
             # Write through ``.data``: a fresh version counter, so autograd does not
             # mistake the refill for an in-place change of the tensors it saved.
@@ -267,6 +277,7 @@ class FlatParamHandle:
         self._full.grad = None
         if grad is None:
             return None
+        label(grad, UNSHARDED_GRADS)
         grad = grad.to(self.reduce_dtype)
         grad.div_(dp_size)  # average, like DDP/FSDP: every rank saw 1/dp_size of the batch
         if self.shard_size > 1:
@@ -290,4 +301,5 @@ class FlatParamHandle:
                 self.flat_param.grad = reduced
             else:  # accumulating over micro-batches without no_sync()
                 self.flat_param.grad += reduced
+            label(self.flat_param.grad, memory.GRADIENTS)
         return finish

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm, dist, trace
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParamHandle
+from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
 from .options import (WRAPPED, clean_name, groups, install_optimizer_check, managed_buffers, managed_params,
                       resolve_mixed_precision, resolve_strategy)
 
@@ -242,8 +242,10 @@ class FullyShardedDataParallel(nn.Module):
         """Runs once ``_full.grad`` holds this unit's gradient: reduce it, free the parameters."""
         root = self._root
         with trace.span(f"post_backward {self._name}", unit=self._name):
-            if self._sync_grads:  # under no_sync() the unsharded gradient just accumulates
+            if self._sync_grads:
                 root._queue_reduce(handle.reduce_grad(self._dp_size))
+            else:  # under no_sync() the unsharded gradient stays and accumulates
+                label(handle._full.grad, UNSHARDED_GRADS)
             handle.reshard()
             self._training_state = _IDLE
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
