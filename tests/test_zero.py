@@ -278,7 +278,7 @@ def test_partition_parameters_greedy_biggest_first():
 
 
 def test_world_of_one_is_the_plain_optimizer():
-    """No process group: OSS with two param groups (and one added later) is bit-identical to AdamW."""
+    """No process group: OSS with param groups (one added later) and an LR schedule is bit-identical to AdamW."""
     a, b = _build("gpt-tiny"), _build("gpt-tiny")
     groups = lambda m: [{"params": list(m.blocks.parameters()), "lr": 3e-3},  # noqa: E731
                         {"params": [m.tok_emb.weight, m.pos_emb.weight]}]
@@ -286,11 +286,14 @@ def test_world_of_one_is_the_plain_optimizer():
     oss.add_param_group({"params": list(a.ln_f.parameters()) + [a.head.weight], "weight_decay": 0.0})
     ref = torch.optim.AdamW(groups(b), lr=LR, weight_decay=WD, eps=EPS)
     ref.add_param_group({"params": list(b.ln_f.parameters()) + [b.head.weight], "weight_decay": 0.0})
-    for step in range(2):
-        for m, opt in ((a, oss), (b, ref)):
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step) for o in (oss, ref)]
+    for step in range(3):
+        for m, opt, schedule in ((a, oss, schedules[0]), (b, ref, schedules[1])):
             _loss("gpt-tiny", m, *_batch("gpt-tiny", step)).backward()
             opt.step()
             opt.zero_grad()
+            schedule.step()  # acts on OSS.param_groups; OSS.step passes the lr on to the inner optimizer
+    assert oss.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 3e-3 * 0.5 ** 3  # and the steps used it:
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
     oss.consolidate_state_dict()

@@ -301,9 +301,9 @@ class OSS(torch.optim.Optimizer):
             local_params = [p for g in self.partition[r] for p in g["params"]]
             for local_i, s in shard["state"].items():
                 state[index[local_params[local_i]]] = s
-        groups = [{**{k: v for k, v in inner.items() if k != "params"},
-                   "params": [index[p] for p in g["params"]]}
-                  for g, inner in zip(self.param_groups, self._per_rank_state[0]["param_groups"])]
+        # Hyperparameters from our param_groups, the ones LR schedulers change.
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in self.param_groups]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
