@@ -66,6 +66,10 @@ notebook_start = time.perf_counter()
 # reference, the moment the storage is freed. Views share their base's storage, so
 # they cost nothing. Tensors made *before* tracking starts are invisible until you
 # `register` them (`track_model` does that for a model's parameters).
+#
+# This lab stays on the CPU, where every count is exact. On a GPU the tracker rounds
+# each storage up to 512 B, as PyTorch's caching allocator does, and
+# `tracker.cuda_allocated()` returns `torch.cuda.memory_allocated()` to compare with.
 
 # %%
 # NBVAL_CHECK_OUTPUT
