@@ -302,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5, help="timed calls per op and size (default 5)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before the run is stopped")
     p.add_argument("--quiet", action="store_true", help="print nothing")
+    p.add_argument("--train-steps", type=int, default=10,
+                   help="then train --train-model with DDP for this many steps (0: skip; default 10)")
+    p.add_argument("--train-model", default="gpt-small", help="model preset for the training run")
     args = p.parse_args(argv)
     # Every check happens here, before any process starts.
     limit = max_world_size()
@@ -322,7 +325,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     why = _writable_folder(args.out)
     if why:
         p.error(f"--out {args.out!r} is not a writable folder ({why}); pass --out to a folder you can write")
-    return run_demo(args.world_size, args.out, sizes, args.repeats, args.timeout, args.quiet)
+    if args.train_steps < 0:
+        p.error(f"--train-steps must be >= 0; got {args.train_steps}")
+    summary = run_demo(args.world_size, args.out, sizes, args.repeats, args.timeout, args.quiet)
+    if args.train_steps:
+        summary["train"] = run_training(args.world_size, args.out, args.train_model, args.train_steps,
+                                        args.quiet)
+    return summary
+
+
+def run_training(world_size: int, out: str, model: str, steps: int, quiet: bool) -> dict[str, Any]:
+    """The same ranks now train a GPT with minifsdp's DDP (python -m minifsdp.train does the work)."""
+    from .train import TrainConfig, train
+
+    strategy = "ddp" if world_size > 1 else "single"
+    folder = os.path.join(out, "train")
+    if not quiet:
+        print(f"\ntraining {model} with {strategy} on {world_size} rank(s) for {steps} steps "
+              f"(python -m minifsdp.train --strategy {strategy} --world-size {world_size} --model {model})",
+              flush=True)
+    return train(TrainConfig(strategy=strategy, world_size=world_size, model=model, steps=steps,
+                             batch_size=4 * world_size, out=folder, quiet=quiet))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def run_2_ranks(tmp_path_factory):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         summary = demo.main(["--world-size", "2", "--out", out, "--sizes", "16KiB,256KiB", "--repeats", "3",
-                             "--timeout", "90"])
+                             "--timeout", "90", "--train-steps", "2", "--train-model", "gpt-tiny"])
     return out, summary, buf.getvalue()
 
 
@@ -33,7 +33,7 @@ def test_demo_writes_every_file(run_2_ranks):
         with open(os.path.join(out, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(os.path.join(out, "summary.json")) as f:
-        assert json.load(f) == summary
+        assert json.load(f) == {k: v for k, v in summary.items() if k != "train"}
 
 
 def test_summary_bytes_equal_the_formula(run_2_ranks):
@@ -86,7 +86,8 @@ def test_progress_and_where_to_look(run_2_ranks):
 
 def test_one_rank_skips_send_recv(tmp_path):
     summary = demo.main(["--world-size", "1", "--out", str(tmp_path), "--sizes", "4KiB", "--repeats", "1",
-                         "--quiet", "--timeout", "60"])
+                         "--quiet", "--timeout", "60", "--train-steps", "0"])
+    assert "train" not in summary
     assert sorted(r["op"] for r in summary["results"]) == ["all_gather", "all_reduce", "broadcast",
                                                            "reduce_scatter"]
     assert all(r["ring_bytes"] == 0 for r in summary["results"])  # nothing leaves a lone rank
@@ -123,3 +124,12 @@ def test_parse_size():
     assert demo.parse_size("1.5 MiB") == 3 * (1 << 19)
     assert demo.parse_size("2MB") == 2_000_000
     assert demo.parse_size("4096") == 4096
+
+
+def test_demo_then_trains_with_ddp(run_2_ranks):
+    out, summary, printed = run_2_ranks
+    train = summary["train"]
+    assert train["strategy"] == "ddp" and train["world_size"] == 2 and len(train["losses"]) == 2
+    for name in ("metrics.json", "trace.json", "timeline.png", "memory.png"):
+        assert os.path.getsize(os.path.join(out, "train", name)) > 0
+    assert "training gpt-tiny with ddp on 2 rank(s)" in printed
