@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 
 from minifsdp import WorkerError, launch
-from minifsdp.fsdp import (FlatShard, FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP,
+from minifsdp.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP,
                            ModuleWrapPolicy, StateDictType)
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -169,9 +169,17 @@ def _local_roundtrip():
             p.data.zero_()
         model.load_state_dict(sd)
         again = model.state_dict()
-    return sorted(sd)[:2], all(torch.equal(sd[k], again[k]) for k in sd), isinstance(FlatShard, type)
+    # units inside a plain parent (no root FSDP): the parent's state_dict still speaks unwrapped names
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(FSDP(torch.nn.Linear(3, 5)), torch.nn.ReLU(), FSDP(torch.nn.Linear(5, 2)))
+    with FSDP.state_dict_type(plain, StateDictType.FULL_STATE_DICT):
+        plain_sd = plain.state_dict()
+    return sorted(sd)[:2], all(torch.equal(sd[k], again[k]) for k in sd), plain_sd
 
 
-def test_local_state_dict_round_trip():
-    keys, equal, _ = launch(_local_roundtrip, 2, timeout=60)[0]
+def test_local_state_dict_round_trip_and_units_in_a_plain_parent():
+    keys, equal, plain_sd = launch(_local_roundtrip, 2, timeout=60)[0]
     assert keys == ["_flat_param", "_fsdp_wrapped_module.blocks.0._flat_param"] and equal
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)).state_dict()
+    assert sorted(plain_sd) == sorted(ref) and all(torch.equal(plain_sd[k], ref[k]) for k in ref)

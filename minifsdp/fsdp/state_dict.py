@@ -146,12 +146,23 @@ def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
 # --------------------------------------------------------------------------
 # Model state dict
 # --------------------------------------------------------------------------
-def state_dict(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    if _nested:  # inside nn.Module's traversal: a child unit is a plain module
-        return nn.Module.state_dict(model, *args, **kwargs)
-    kind, cfg, _ = _settings(model)
+def state_dict(model: nn.Module, *args: Any, destination: dict | None = None, prefix: str = "",
+               keep_vars: bool = False) -> dict[str, Any]:
+    """``model.state_dict()`` of a unit, by the type chosen with ``state_dict_type`` (default FULL)."""
+    if _nested:  # inside our own call of nn.Module's traversal: a child unit is a plain module
+        return nn.Module.state_dict(model, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    kind = _settings(model)[0]
     if kind == StateDictType.LOCAL_STATE_DICT:
-        return nn.Module.state_dict(model, *args, **kwargs)
+        return nn.Module.state_dict(model, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    out = _clean_state_dict(model)
+    if destination is None:
+        return out
+    destination.update({prefix + k: v for k, v in out.items()})  # a unit inside a plain (unwrapped) parent
+    return destination
+
+
+def _clean_state_dict(model: nn.Module) -> dict[str, Any]:
+    kind, cfg, _ = _settings(model)
     if kind == StateDictType.FULL_STATE_DICT:
         _all_ranks_enter("state_dict", model)
         with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), _plain(model):
