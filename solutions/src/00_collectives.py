@@ -299,6 +299,11 @@ for n in (2, 4):
 # Fill in the loop. `out.chunk(n)` returns *views*: receiving into
 # `chunks[i]` writes into `out`. The check cell below runs your function at
 # world sizes 2 and 4 against `comm.all_gather`, and tells you what is wrong.
+#
+# (There is a lazy way: zeros everywhere except your own slot, then
+# `all_reduce`. It gives the right answer but, as section 2's byte counts
+# show, an all-reduce of the N-chunk tensor sends *twice* the bytes of an
+# all-gather. The check cell therefore asks for isend/irecv only.)
 
 # %%
 def my_all_gather(x: torch.Tensor) -> torch.Tensor:
