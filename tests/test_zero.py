@@ -25,7 +25,8 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from minifsdp import WorkerError, data, estimate, launch, models, trace
-from minifsdp.zero import OSS, ShardedDataParallel, optimizer_state_bytes, partition_parameters, wrap_zero
+from minifsdp.zero import (OSS, ShardedDataParallel, bytes_per_step, optimizer_state_bytes, partition_parameters,
+                           wrap_zero)
 
 STEPS, B, T, LR, WD, EPS = 3, 12, 16, 1e-2, 0.1, 1e-6
 LOSS_ATOL, PARAM_ATOL, STATE_ATOL, NORM_RTOL = 1e-5, 1e-4, 1e-6, 1e-5
@@ -115,6 +116,7 @@ def _zero_worker(name, stage, steps, clip=None, norm_type=2.0, bucket=2**20, sub
         tdist.all_reduce(global_loss, group=group)  # for the check only, outside the tracer
         out["losses"].append(global_loss.item() / n)
     out["bytes_by_op"] = tracer.trace.bytes_by_op()
+    out["formula"] = bytes_per_step(opt, stage)
     out["params"] = {k: v.clone() for k, v in module.state_dict().items()}
     out["owned_bytes"] = sum(p.numel() * 4 for p in opt.local_params)
     # AdamW keeps exp_avg and exp_avg_sq (numel fp32 each) and a scalar fp32 step per parameter.
@@ -173,6 +175,10 @@ def _check_run(results, name, stage, n, clip=None, norm_type=2.0):
         expected = {"reduce": psi, "broadcast": psi, **({"all_reduce": clip_bytes} if clip_bytes else {})}
     for o in results:
         assert o["bytes_by_op"] == expected
+        formula = dict(o["formula"])  # the library's own formula agrees (it leaves clipping out)
+        if clip_bytes and n > 1:
+            formula["all_reduce"] = formula.get("all_reduce", 0) + clip_bytes
+        assert formula == expected
     if n > 1 and clip is None:  # and the same totals as the paper-style estimate
         numel = psi // 4
         want = estimate.comm_bytes_per_step(numel, n, "oss" if stage == 1 else "zero2", ring=False)["total"]

@@ -12,7 +12,7 @@ Stage 3 (parameters sharded too) is ``minifsdp.fsdp``.
 """
 
 from .oss import OSS, all_reduce_gradients, optimizer_state_bytes, partition_parameters
-from .sharded_dp import ShardedDataParallel, reduce, wrap_zero
+from .sharded_dp import ShardedDataParallel, bytes_per_step, reduce, wrap_zero
 
 __all__ = ["OSS", "ShardedDataParallel", "wrap_zero", "partition_parameters", "all_reduce_gradients",
-           "optimizer_state_bytes", "reduce"]
+           "optimizer_state_bytes", "bytes_per_step", "reduce"]

@@ -25,7 +25,7 @@ parameters to the others:
     >>> opt.consolidate_state_dict(0)   # every rank calls it
     >>> full = opt.state_dict()         # on rank 0: same as one AdamW's state_dict
 
-Bytes per step (comm's volume convention, Ψ = bytes of all parameters): the
+Bytes per step (comm's volume convention, Ψ = bytes of the parameters it holds): the
 gradient all-reduce moves 2Ψ, re-assembling the parameters by broadcast from
 their owners moves Ψ, so FairScale-style ZeRO-1 costs **3Ψ** where DDP costs
 2Ψ. (The ZeRO paper reaches 2Ψ for stage 1 too by replacing the all-reduce

@@ -21,8 +21,8 @@ gradients of its own shard, ≈ 1/N of them:
     >>> lm_loss(model(x), y).backward()   # grads reduced to owners during backward
     >>> opt.step(); opt.zero_grad()
 
-Bytes per step (comm's volume convention, Ψ = bytes of all parameters): the
-reduces move Ψ (each gradient once) and the parameter broadcasts Ψ: **2Ψ**,
+Bytes per step (comm's volume convention, Ψ = bytes of the parameters the
+OSS holds; ``bytes_per_step`` computes it): the reduces move Ψ (each gradient once) and the parameter broadcasts Ψ: **2Ψ**,
 the same as DDP's all-reduce, for 1/N of the gradient and optimizer memory.
 With ``shard_gradients=False`` the wrapper all-reduces instead: ZeRO-1, 3Ψ.
 
@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 from .. import comm, dist, trace
 from .oss import OSS, _global_rank
 
-__all__ = ["ShardedDataParallel", "wrap_zero", "reduce"]
+__all__ = ["ShardedDataParallel", "wrap_zero", "reduce", "bytes_per_step"]
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None,
@@ -190,3 +190,21 @@ def wrap_zero(model: nn.Module, stage: int, optim_cls: type[torch.optim.Optimize
     optimizer = OSS(trainable, optim=optim_cls, group=group, **optim_kwargs)
     wrapped = ShardedDataParallel(model, optimizer, process_group=group, shard_gradients=(stage == 2))
     return wrapped, optimizer
+
+
+def bytes_per_step(optimizer: OSS, stage: int) -> dict[str, int]:
+    """What the tracer should record per step and rank (volume convention), by collective.
+
+    Stage 1: all-reduce 2Ψ + broadcast Ψ; stage 2: reduce Ψ + broadcast Ψ;
+    nothing in a world of one. (``clip_grad_norm`` adds one fp32 all-reduce: 8 B.)
+
+    >>> bytes_per_step(opt, 2)      # gpt-tiny, 42880 fp32 parameters, 2 ranks
+    {'reduce': 171520, 'broadcast': 171520}
+    """
+    if optimizer.world_size == 1:
+        return {}
+    psi = sum(p.numel() * p.element_size() for p in optimizer.param_to_rank)
+    gradients = {1: {"all_reduce": 2 * psi}, 2: {"reduce": psi}}
+    if stage not in gradients:
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    return {**gradients[stage], "broadcast": psi}
