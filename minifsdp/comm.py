@@ -53,6 +53,11 @@ __all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all
 
 CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
 
+# torch 2.13 renamed the single-tensor collectives (the old names now warn);
+# older releases only have the old names.
+_all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+
 
 def collective_bytes(op: str, nbytes: int, group_size: int) -> dict[str, int]:
     """The two byte counts for one call; ``nbytes`` is the size of the *full* tensor.
@@ -80,8 +85,9 @@ class Handle:
     """
 
     def __init__(self, work: Any, op: str, start: float, args: dict[str, Any],
-                 tracer: trace.Tracer | None):
+                 tracer: trace.Tracer | None, device: torch.device = torch.device("cpu")):
         self._work, self._op, self._start, self._args, self._tracer = work, op, start, args, tracer
+        self._device = device
         self._done = False
 
     def wait(self) -> None:
@@ -89,6 +95,9 @@ class Handle:
             return
         if self._work is not None:
             self._work.wait()
+        if self._tracer is not None and self._device.type == "cuda":
+            # NCCL returns once the kernel is queued; to time the transfer, wait for it.
+            torch.cuda.synchronize(self._device)
         self._done = True
         if self._tracer is not None:
             self._tracer.add_span(self._op, trace.COMM, self._start, time.perf_counter(), **self._args)
@@ -102,7 +111,7 @@ def _record(op: str, work: Any, start: float, nbytes: int, group: ProcessGroup |
     size = dist.world_size(group)
     args = dict(collective_bytes(op, nbytes, size), group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
                 numel=tensor.numel(), async_op=async_op, **extra)
-    handle = Handle(work, op, start, args, trace.active_tracer())
+    handle = Handle(work, op, start, args, trace.active_tracer(), tensor.device)
     if async_op:
         return handle
     handle.wait()
@@ -153,7 +162,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Pro
                          f"group size ({n}) = {input.numel() * n}; size the output N x input")
     _check_same_everywhere("all_gather", input.numel(), group)
     start = time.perf_counter()
-    work = tdist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    work = _all_gather_single(output, input, group=group, async_op=async_op)
     return _record("all_gather", work, start, output.numel() * output.element_size(), group, async_op, output)
 
 
@@ -168,7 +177,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceO
                          "the group size (comm.pad_to_multiple)")
     _check_same_everywhere("reduce_scatter", input.numel(), group)
     start = time.perf_counter()
-    work = tdist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     return _record("reduce_scatter", work, start, input.numel() * input.element_size(), group, async_op, input)
 
 

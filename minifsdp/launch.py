@@ -87,9 +87,9 @@ class LaunchTimeout(LaunchError, TimeoutError):
         self.running = running
 
 
-def max_world_size() -> int:
-    """A sane number of ranks for this machine: GPUs if any, else 4 per CPU core (at least 8)."""
-    if torch.cuda.is_available():
+def max_world_size(backend: str | None = None) -> int:
+    """A sane number of ranks for this machine: one per GPU with NCCL, else 4 per CPU core (at least 8)."""
+    if (backend or dist.default_backend()) == "nccl":
         return torch.cuda.device_count()
     return max(8, 4 * (os.cpu_count() or 1))
 
@@ -135,8 +135,10 @@ def _run_rank(rank: int, world_size: int, payload: bytes, store_addr: tuple[str,
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = tdist.TCPStore(store_addr[0], store_addr[1], world_size, is_master=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
+        # A little longer than the launch deadline, so the deadline (which says where
+        # each rank was) fires before a collective's own timeout does.
         tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                 timeout=datetime.timedelta(seconds=timeout_s))
+                                 timeout=datetime.timedelta(seconds=timeout_s + 10))
         result = fn(*args, **kwargs)
         tdist.barrier()  # nobody tears the group down while a peer still talks to it
         tdist.destroy_process_group()
@@ -230,8 +232,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     traceback, or ``LaunchTimeout`` naming the ranks still running after
     ``timeout`` seconds. No worker outlives the call.
     """
-    _validate(fn, world_size, timeout)
     backend = backend or dist.default_backend()
+    _validate(fn, world_size, timeout, backend)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     try:
         payload = _pickle_by_value(fn, args, kwargs)
@@ -267,14 +269,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         os.rmdir(stack_dir)
 
 
-def _validate(fn: Callable, world_size: int, timeout: float) -> None:
+def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> None:
     if not callable(fn):
         raise TypeError(f"launch(fn, world_size): fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    limit = max_world_size()
+    limit = max_world_size(backend)
     if world_size > limit:
-        where = f"{torch.cuda.device_count()} GPUs" if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
+        where = f"{torch.cuda.device_count()} GPUs" if backend == "nccl" else f"{os.cpu_count()} CPU cores"
         raise ValueError(f"world_size={world_size} is more than this machine runs sensibly ({where}: at most "
                          f"{limit}); use world_size <= {limit}, or torchrun across machines for more")
     if timeout <= 0:

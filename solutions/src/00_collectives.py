@@ -32,11 +32,6 @@ from torch.distributed.constants import default_pg_timeout
 
 from minifsdp import LaunchTimeout, WorkerError, comm, dist, launch, plot, trace
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (to *_single) and every rank
-# warns about it; the ranks we launch inherit this environment, which silences just those two.
-os.environ.setdefault("PYTHONWARNINGS",
-                      "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning,"
-                      "ignore:`torch.distributed.reduce_scatter_tensor` is deprecated:FutureWarning")
 print(f"torch {torch.__version__}, {os.cpu_count()} CPU core(s), CUDA available: {torch.cuda.is_available()}")
 
 # %% [markdown]
