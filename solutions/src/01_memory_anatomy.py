@@ -73,19 +73,21 @@ notebook_start = time.perf_counter()
 
 # %%
 # NBVAL_CHECK_OUTPUT
+out = []  # this cell's lines, printed at once at the end
 tracker = MemoryTracker()
 with tracker:
     a = torch.empty(1000)                   # 1000 fp32 elements
-    print("after torch.empty(1000):       ", tracker.total(), "B")
+    out.append(f"after torch.empty(1000):        {tracker.total()} B")
     views = [a[10:20], a.view(10, 100).t(), a.reshape(-1)]
-    print("after three views of it:       ", tracker.total(), "B")
+    out.append(f"after three views of it:        {tracker.total()} B")
     b = a.view(10, 100).t().contiguous()    # a real copy: a new storage
-    print("after a contiguous copy:       ", tracker.total(), "B")
+    out.append(f"after a contiguous copy:        {tracker.total()} B")
     del a
-    print("after `del a` (views keep it): ", tracker.total(), "B")
+    out.append(f"after `del a` (views keep it):  {tracker.total()} B")
     del views, b
-    print("after deleting everything:     ", tracker.total(), "B")
-print("peak:", tracker.peak_total, "B")
+    out.append(f"after deleting everything:      {tracker.total()} B")
+out.append(f"peak: {tracker.peak_total} B")
+print("\n".join(out))
 
 # %% [markdown]
 # ### A toy MLP, predicted by hand
@@ -241,12 +243,14 @@ measured_mlp = {
     OPTIMIZER: mlp_snaps[0]["step"][OPTIMIZER],
     ACTIVATIONS: mlp_snaps[0]["forward"][ACTIVATIONS],
 }
-print(f"{'':14}{'predicted B':>12}{'measured B':>12}")
+out = [f"{'':14}{'predicted B':>12}{'measured B':>12}"]
 for cat, want in measured_mlp.items():
-    print(f"{cat:14}{predicted_mlp[cat]:>12}{want:>12}   {'==' if predicted_mlp[cat] == want else '!='}")
-    assert predicted_mlp[cat] == want
+    out.append(f"{cat:14}{predicted_mlp[cat]:>12}{want:>12}   "
+               f"{'==' if predicted_mlp[cat] == want else '!='}")
 left = mlp_snaps[0]["backward"][ACTIVATIONS]
-print(f"activations left after backward: {left} B = the batch (x, y) and the loss, still referenced")
+out.append(f"activations left after backward: {left} B = the batch (x, y) and the loss, still referenced")
+print("\n".join(out))
+assert all(predicted_mlp[cat] == want for cat, want in measured_mlp.items())
 assert left == x_mlp.nbytes + y_mlp.nbytes + FP32
 
 # %% [markdown]
@@ -317,9 +321,11 @@ fig
 
 # %%
 # NBVAL_CHECK_OUTPUT
+out = []
 for i, (peak, at_peak) in enumerate(gpt_peaks):
     parts = ", ".join(f"{c} {format_bytes(n)}" for c, n in at_peak.items() if n)
-    print(f"step {i + 1}: peak {format_bytes(peak)} = {parts}")
+    out.append(f"step {i + 1}: peak {format_bytes(peak)} = {parts}")
+print("\n".join(out))
 assert gpt_peaks[1][0] >= gpt_peaks[0][0]
 
 # %% [markdown]
@@ -346,10 +352,10 @@ rows = [
     ("activations", s1["forward"][ACTIVATIONS], act_est["total"],
      "+ the 4-B loss, an output, not saved"),
 ]
-print(f"{GPT_NAME}: {n_gpt:,} parameters in {n_tensors} tensors; batch {B_GPT} x {T_GPT}")
-print(f"{'':19}{'measured B':>13}{'estimate B':>13}{'diff B':>8}  why")
-for name, got, est, why in rows:
-    print(f"{name:19}{got:>13,}{est:>13,}{got - est:>8}  {why}")
+out = [f"{GPT_NAME}: {n_gpt:,} parameters in {n_tensors} tensors; batch {B_GPT} x {T_GPT}",
+       f"{'':19}{'measured B':>13}{'estimate B':>13}{'diff B':>8}  why"]
+out += [f"{name:19}{got:>13,}{est:>13,}{got - est:>8}  {why}" for name, got, est, why in rows]
+print("\n".join(out))
 assert rows[0][1] == rows[0][2] and rows[1][1] == rows[1][2]
 assert rows[2][1] - rows[2][2] == FP32 * n_tensors
 assert rows[3][1] - rows[3][2] == FP32
@@ -372,9 +378,9 @@ model_states = estimate.model_state_bytes_per_device(n_gpt)  # fp32, AdamW, one 
 naive = model_states["total"] + act_est["total"]
 start_of_backward = model_states["parameters"] + model_states["optimizer"] + act_est["total"]
 peak2, at_peak2 = gpt_peaks[1]
-print(f"params + grads + optimizer + activations: {format_bytes(naive)}")
-print(f"params + optimizer + activations:         {format_bytes(start_of_backward)}")
-print(f"measured step-2 peak:                     {format_bytes(peak2)}"
+print(f"params + grads + optimizer + activations: {format_bytes(naive)}\n"
+      f"params + optimizer + activations:         {format_bytes(start_of_backward)}\n"
+      f"measured step-2 peak:                     {format_bytes(peak2)}"
       f"  (of which temporaries {format_bytes(at_peak2.get(TEMPORARY, 0))},"
       f" gradients {format_bytes(at_peak2.get(GRADIENTS, 0))})")
 assert start_of_backward <= peak2 <= naive + at_peak2.get(TEMPORARY, 0)
@@ -455,15 +461,16 @@ plt.show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"{'T':>5}{'measured B':>13}{'estimate B':>13}{'attention probs':>17}")
+out = [f"{'T':>5}{'measured B':>13}{'estimate B':>13}{'attention probs':>17}"]
 for t, m in zip(seqs_sweep, by_seq):
     est = estimate.gpt_activation_bytes(long_cfg, B_FIXED, t)["total"]
     share = attention_probs_bytes(long_cfg, B_FIXED, t) / m
-    print(f"{t:>5}{m:>13,}{est:>13,}{share:>16.0%}")
+    out.append(f"{t:>5}{m:>13,}{est:>13,}{share:>16.0%}")
     assert m == est, f"T={t}: measured {m} != estimate {est}"
 for b, m in zip(batches_sweep, by_batch):
     assert m == estimate.gpt_activation_bytes(long_cfg, b, T_FIXED)["total"], f"B={b}"
-print("every measured point equals the estimate to the byte")
+out.append("every measured point equals the estimate to the byte")
+print("\n".join(out))
 
 # %% [markdown]
 # The dots sit on the lines, to the byte. Doubling `B` doubles everything, while
@@ -482,8 +489,8 @@ print("every measured point equals the estimate to the byte")
 per_sequence = estimate.gpt_activation_bytes(cfg, 1, cfg.block_size)["total"]
 states = estimate.model_state_bytes_per_device(n_gpt)["total"]
 print(f"{GPT_NAME}: model states {format_bytes(states)} (16 B per parameter); "
-      f"activations {format_bytes(per_sequence)} per sequence of {cfg.block_size} tokens")
-print(f"activations pass the model states at a batch of {states / per_sequence:.1f} sequences")
+      f"activations {format_bytes(per_sequence)} per sequence of {cfg.block_size} tokens\n"
+      f"activations pass the model states at a batch of {states / per_sequence:.1f} sequences")
 
 # %% [markdown]
 # ## 4. Exercise 2: predict the activations before running
@@ -651,15 +658,18 @@ single = {"parameters": s1["forward"][PARAMETERS], "gradients": s1["step"][GRADI
           "optimizer": s1["step"][OPTIMIZER], "activations": s1["forward"][ACTIVATIONS]}
 ranks = [{"parameters": r["forward"][PARAMETERS], "gradients": r["step"][GRADIENTS],
           "optimizer": r["step"][OPTIMIZER], "activations": r["forward"][ACTIVATIONS]} for r in dp]
-print(f"{'':13}{'1 process, B=' + str(B_GPT):>18}" + "".join(f"{f'rank {i}, B={B_GPT // 2}':>16}" for i in range(2)))
+mean_loss = sum(r["loss"] for r in dp) / len(dp)
+out = [f"{'':13}{'1 process, B=' + str(B_GPT):>18}"
+       + "".join(f"{f'rank {i}, B={B_GPT // 2}':>16}" for i in range(2))]
 for cat in single:
-    print(f"{cat:13}{format_bytes(single[cat]):>18}" + "".join(f"{format_bytes(r[cat]):>16}" for r in ranks))
+    out.append(f"{cat:13}{format_bytes(single[cat]):>18}"
+               + "".join(f"{format_bytes(r[cat]):>16}" for r in ranks))
+out.append(f"loss: mean over the 2 ranks {mean_loss:.5f}, one process on the whole batch {single_loss:.5f}")
+print("\n".join(out))
 for r in ranks:
     for cat in ("parameters", "gradients", "optimizer"):
         assert r[cat] == single[cat], cat   # replicated, byte for byte
 assert ranks[0]["activations"] == ranks[1]["activations"] < single["activations"]
-mean_loss = sum(r["loss"] for r in dp) / len(dp)
-print(f"loss: mean over the 2 ranks {mean_loss:.5f}, one process on the whole batch {single_loss:.5f}")
 assert abs(mean_loss - single_loss) < 1e-5, "the two halves of the batch should average to the whole"
 
 # %% [markdown]
@@ -675,12 +685,14 @@ assert abs(mean_loss - single_loss) < 1e-5, "the two halves of the batch should 
 # %%
 # NBVAL_CHECK_OUTPUT
 PSI, N = 7_500_000_000, 64
-print(f"{'stage':24}{'params GB':>10}{'grads GB':>10}{'optim GB':>10}{'total GB':>10}")
+out = [f"{'stage':24}{'params GB':>10}{'grads GB':>10}{'optim GB':>10}{'total GB':>10}"]
 zero_rows = {}
 for stage, name in [(0, "0 (DDP)"), (1, "1 (optimizer)"), (2, "2 (+gradients)"), (3, "3 (+params, FSDP)")]:
     m = estimate.model_state_bytes_per_device(PSI, N, stage, mixed_precision=True, padding=False)
     zero_rows[name] = m
-    print(f"{name:24}" + "".join(f"{m[k] / 1e9:>10.1f}" for k in ("parameters", "gradients", "optimizer", "total")))
+    out.append(f"{name:24}" + "".join(f"{m[k] / 1e9:>10.1f}"
+                                      for k in ("parameters", "gradients", "optimizer", "total")))
+print("\n".join(out))
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
