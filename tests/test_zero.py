@@ -430,3 +430,13 @@ def test_tied_frozen_and_unused_parameters():
     want = _tied_frozen_unused()
     for got in launch(_tied_frozen_unused, 3, 2, timeout=120):
         _assert_same_params(got, want)
+
+
+def _mismatched_models():
+    module = _build("odd" if tdist.get_rank() == 1 else "gpt-tiny")
+    wrap_zero(module, 2, lr=LR)
+
+
+def test_different_models_on_ranks_is_an_error_not_a_hang():
+    with pytest.raises(WorkerError, match="ranks hold different models.*same model on every rank"):
+        launch(_mismatched_models, 2, timeout=60)

@@ -108,12 +108,27 @@ class ShardedDataParallel(nn.Module):
         if missing:
             raise ValueError(f"parameters {missing[:3]} of the module are in no OSS optimizer; build the OSS "
                              "from this module's parameters: OSS(module.parameters(), ...)")
+        if any(o.world_size != self.world_size or o.rank != self.rank for o in optimizers):
+            raise ValueError("the OSS and ShardedDataParallel use different process groups; pass the same "
+                             "group to OSS(group=...) and ShardedDataParallel(process_group=...)")
+        if self.world_size > 1:
+            self._check_same_model_everywhere([p for _, p in trainable])
         if sync_models_at_startup and self.world_size > 1:
             self._broadcast_from_rank0(broadcast_buffers)
         self._in_flight: list[tuple[torch.Tensor, comm.Handle]] = []
         self._callback_queued = False
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in trainable]
+
+    def _check_same_model_everywhere(self, params: list[torch.Tensor]) -> None:
+        """One tiny all-reduce (max of n and -n) turns a mismatch into an error, not a hang."""
+        sizes = torch.tensor([len(params), sum(p.numel() for p in params)], dtype=torch.float64,
+                             device=dist.device())
+        both = torch.cat([sizes, -sizes])
+        comm.all_reduce(both, op=comm.ReduceOp.MAX, group=self.group)
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(f"ranks hold different models (parameter count/elements from {(-both[2:]).tolist()} "
+                             f"to {both[:2].tolist()}); build the same model on every rank before wrapping")
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, buffers: bool) -> None:
