@@ -142,6 +142,28 @@ def _zero2(model: torch.nn.Module, cfg: TrainConfig):
     return wrap_zero(model, stage=2, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+@strategy("fsdp")
+def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
+    from .fsdp import BackwardPrefetch, CPUOffload, ModuleWrapPolicy, ShardingStrategy
+    from .fsdp import FullyShardedDataParallel as FSDP
+    from .fsdp import size_based_auto_wrap_policy
+
+    import functools
+
+    policy = {"block": ModuleWrapPolicy({models.Block}), "none": None,
+              "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)}[cfg.wrap]
+    groups = None
+    if cfg.sharding_strategy == "HYBRID_SHARD":
+        from .fsdp import init_hybrid_groups
+
+        groups = init_hybrid_groups(max(1, dist.world_size() // 2))
+    wrapped = FSDP(model, process_group=groups, auto_wrap_policy=policy,
+                   sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+                   backward_prefetch=BackwardPrefetch[cfg.prefetch] if cfg.prefetch != "NONE" else None,
+                   cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None)
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
 def _torch_wrap_policy(cfg: TrainConfig) -> Any:
     import functools
 

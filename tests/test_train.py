@@ -25,11 +25,14 @@ def single(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"), strategy="single", world_size=1, track_memory=True)
 
 
-@pytest.mark.parametrize("strategy,world_size,grad_accum", [
-    ("ddp-naive", 2, 1), ("ddp", 2, 1), ("ddp", 4, 1), ("ddp", 2, 2), ("torch-ddp", 2, 1),
+@pytest.mark.parametrize("strategy,world_size,grad_accum,extra", [
+    ("ddp-naive", 2, 1, {}), ("ddp", 2, 1, {}), ("ddp", 4, 1, {}), ("ddp", 2, 2, {}), ("torch-ddp", 2, 1, {}),
+    ("zero1", 2, 1, {}), ("zero2", 4, 1, {}),
+    ("fsdp", 2, 2, {}), ("fsdp", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}),
+    ("fsdp", 2, 1, {"sharding_strategy": "SHARD_GRAD_OP", "wrap": "none"}), ("torch-fsdp", 2, 1, {}),
 ])
-def test_parity_with_single(tmp_path, single, strategy, world_size, grad_accum):
-    m = _run(tmp_path, strategy=strategy, world_size=world_size, grad_accum=grad_accum, track_memory=False)
+def test_parity_with_single(tmp_path, single, strategy, world_size, grad_accum, extra):
+    m = _run(tmp_path, strategy=strategy, world_size=world_size, grad_accum=grad_accum, track_memory=False, **extra)
     assert len(m["losses"]) == 4
     for a, b in zip(m["losses"], single["losses"]):
         assert a == pytest.approx(b, rel=LOSS_RTOL), (m["losses"], single["losses"])
