@@ -718,9 +718,10 @@ plt.show()
 # 4 + 4 + 8 bytes per parameter in fp32 (plus 4 bytes per tensor for AdamW's step
 # counters). Activations are what each op's backward needs, linear in the batch,
 # linear in the sequence except the attention probabilities, quadratic; past the
-# batch size section 3 computed, they outweigh all the model states. The peak comes
-# from step 2 on, early in the backward pass, when all of the activations are still
-# alive on top of the optimizer state.
+# batch size section 3 computed, they outweigh all the model states. Size memory
+# from step 2 on: here the peak came early in step 2's backward pass, most
+# activations still alive on top of the optimizer state; with small batches it is
+# the optimizer step instead (parameters + gradients + state + the update's scratch).
 
 # %%
 print(f"the whole notebook ran in {time.perf_counter() - notebook_start:.1f} s")
