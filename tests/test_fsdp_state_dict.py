@@ -128,9 +128,9 @@ def test_sharded_checkpoint_at_another_world_size_names_the_fix(saved):
 
 
 def _state_dict_on_rank0_only():
-    from minifsdp.fsdp import state_dict
+    from minifsdp.fsdp import options
 
-    state_dict.ENTRY_TIMEOUT_S = 2.0
+    options.ENTRY_TIMEOUT_S = 2.0
     model = _model()
     if tdist.get_rank() == 0:
         model.state_dict()

@@ -33,7 +33,7 @@ What lives where (one ``FlatParamHandle``):
 
 The original ``nn.Parameter`` objects are emptied (their data becomes a
 0-element tensor) and marked, so an optimizer built before wrapping is caught
-(see ``fully_sharded._check_optimizer``).
+(see ``options.install_optimizer_check``).
 """
 
 from __future__ import annotations

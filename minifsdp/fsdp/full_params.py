@@ -22,6 +22,7 @@ import torch.nn as nn
 from .. import comm
 from .fully_sharded import _IDLE
 from .fully_sharded import FullyShardedDataParallel as FSDP
+from .options import all_ranks_enter
 
 __all__ = ["clip_grad_norm_", "summon_full_params"]
 
@@ -72,6 +73,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     busy = [u._name for u in units if u._training_state != _IDLE]
     if busy:
         raise RuntimeError(f"summon_full_params() inside forward/backward of units {busy}; call it between steps")
+    if units:
+        all_ranks_enter("summon_full_params", units[0])  # an error, not a hang, if a rank is missing
     gathered = []
     for u in units:
         for h in u._handles:

@@ -51,15 +51,27 @@ _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_S
 class FullyShardedDataParallel(nn.Module):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
-    Same arguments and meaning as ``torch.distributed.fsdp.FullyShardedDataParallel``
-    (``param_init_fn`` is not supported), plus FairScale's ``reshard_after_forward``
-    (True = FULL_SHARD, False = SHARD_GRAD_OP) and ``mixed_precision=True``
-    (bf16 compute and reduction, see ``MixedPrecision``). Works inside
-    ``minifsdp.launch`` and in any process group made by ``init_process_group``.
+    Same arguments and meaning as ``torch.distributed.fsdp.FullyShardedDataParallel``;
+    works inside ``minifsdp.launch`` and in any process group made by
+    ``init_process_group`` (torchrun)::
 
         model = FSDP(build_model("gpt-tiny"), auto_wrap_policy=ModuleWrapPolicy({Block}))
         opt = torch.optim.AdamW(model.parameters())    # after wrapping: the shards
         loss = lm_loss(model(x), y); loss.backward(); opt.step()
+
+    * ``process_group``: ranks to shard over (default: all); for HYBRID_SHARD a
+      ``(shard_group, replicate_group)`` pair or None (``init_hybrid_groups``).
+    * ``sharding_strategy`` (``api.ShardingStrategy``); FairScale's
+      ``reshard_after_forward`` True/False picks FULL_SHARD/SHARD_GRAD_OP.
+    * ``auto_wrap_policy`` (``wrap.py``) makes child units, ``ignored_modules``
+      stay plain (not sharded, gradients not synchronized).
+    * ``backward_prefetch`` / ``forward_prefetch``: gather the next unit early.
+      ``limit_all_gathers``: a prefetch is skipped while ``MAX_UNSHARDED_UNITS``
+      non-root units are unsharded (torch bounds in-flight all-gathers the same way).
+    * ``mixed_precision`` (``api.MixedPrecision``, or True = bf16), ``cpu_offload``.
+    * ``device_id``: compute device (default ``dist.device()``); ``sync_module_states``:
+      broadcast rank 0's parameters and buffers before sharding.
+    * Not implemented: ``use_orig_params=True``, ``param_init_fn``.
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
@@ -304,6 +316,13 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for u, p in zip(units, previous):
                 u._sync_grads = p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drop unsharded gradients held by ``no_sync()`` (they are not ``.grad`` of any parameter)."""
+        super().zero_grad(set_to_none)
+        for u in self.modules():
+            for h in getattr(u, "_handles", ()):
+                h._full.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every shard; return that norm (see full_params.py)."""

@@ -9,12 +9,15 @@ reads as one training step:
   (``init_hybrid_groups``), FULL_SHARD / SHARD_GRAD_OP "shard across all";
 * ``managed_params``: which parameters a unit flattens (not those of nested
   units or ignored modules), with the tied-weights-across-units check;
-* the guard that catches an optimizer built before wrapping.
+* the guard that catches an optimizer built before wrapping, and
+  ``all_ranks_enter``, which turns "one rank called a collective alone" (a
+  hang) into an error naming the absent ranks.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -26,10 +29,13 @@ from .api import MixedPrecision, ShardingStrategy
 from .flat_param import FLATTENED_MARK
 
 __all__ = ["clean_name", "managed_params", "managed_buffers", "resolve_strategy", "resolve_mixed_precision",
-           "groups", "init_hybrid_groups", "install_optimizer_check", "WRAPPED", "HYBRID"]
+           "groups", "init_hybrid_groups", "install_optimizer_check", "all_ranks_enter", "WRAPPED", "HYBRID",
+           "ENTRY_TIMEOUT_S"]
 
 WRAPPED = "_fsdp_wrapped_module"
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+ENTRY_TIMEOUT_S = 60.0  # how long a rank waits for the others to enter a collective checkpoint function
+_entries: dict[str, int] = {}
 
 
 def clean_name(path: str) -> str:
@@ -146,3 +152,31 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 raise RuntimeError(f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
                                    "flattened into shards (it was built before wrapping); build it after: "
                                    "optim = torch.optim.AdamW(fsdp_model.parameters())")
+
+
+def _group_ranks(model: nn.Module) -> list[int]:
+    ranks: set[int] = set()
+    for g in (model._shard_group, model._replicate_group):
+        if g is not None:
+            ranks.update(tdist.get_process_group_ranks(g))
+    return sorted(ranks) or [dist.rank()]
+
+
+def all_ranks_enter(what: str, model: nn.Module) -> None:
+    """Meet every rank of the model's groups before the first collective, or fail naming the absent ones."""
+    ranks = _group_ranks(model)  # the key-value store is cheap and never blocks without a deadline
+    if len(ranks) == 1:
+        return
+    store = tdist.distributed_c10d._get_default_store()
+    _entries[what] = _entries.get(what, 0) + 1
+    base = f"minifsdp/{what}/{_entries[what]}"
+    store.set(f"{base}/{dist.rank()}", "1")
+    keys = [f"{base}/{r}" for r in ranks]
+    deadline = time.monotonic() + ENTRY_TIMEOUT_S
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise RuntimeError(f"{what}() was called on rank {dist.rank()} but not on ranks {absent} within "
+                               f"{ENTRY_TIMEOUT_S:.0f}s; it gathers shards with collectives, so call it on every "
+                               "rank (keep the result on one rank instead, e.g. rank0_only=True)")
+        time.sleep(0.005)

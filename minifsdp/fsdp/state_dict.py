@@ -18,32 +18,29 @@ The optimizer follows the same rule: its state for a flat shard (AdamW's
 parameters; counters like ``step`` are copied to every original parameter.
 
 A FULL dict needs collectives, so every rank must ask for it; one rank alone
-would wait forever. ``_all_ranks_enter`` first meets the other ranks through
-the process group's key-value store, with a deadline, and names the ranks
-that never came.
+would wait forever. ``options.all_ranks_enter`` first meets the other ranks
+through the process group's key-value store, with a deadline, and names the
+ranks that never came.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 
 from .. import dist
 from .api import (FullOptimStateDictConfig, FullStateDictConfig, OptimStateDictConfig, ShardedStateDictConfig,
                   StateDictConfig, StateDictType)
 from .fully_sharded import FullyShardedDataParallel as FSDP
-from .options import clean_name
+from .options import all_ranks_enter, clean_name
 
 __all__ = ["FlatShard", "state_dict_type", "state_dict", "load_state_dict", "optim_state_dict",
-           "optim_state_dict_to_load", "ENTRY_TIMEOUT_S"]
+           "optim_state_dict_to_load"]
 
-ENTRY_TIMEOUT_S = 60.0  # how long a rank waits for the others to call a collective state-dict function
 _nested = False          # True while nn.Module's own traversal runs (child units then behave as plain modules)
 _entries: dict[str, int] = {}
 
@@ -110,34 +107,6 @@ def _plain(model: nn.Module) -> Iterator[None]:
             u._parameters[n] = p
 
 
-def _group_ranks(model: nn.Module) -> list[int]:
-    ranks: set[int] = set()
-    for g in (model._shard_group, model._replicate_group):
-        if g is not None:
-            ranks.update(tdist.get_process_group_ranks(g))
-    return sorted(ranks) or [dist.rank()]
-
-
-def _all_ranks_enter(what: str, model: nn.Module) -> None:
-    """Meet every rank of the model's groups before the first collective, or fail naming the absent ones."""
-    ranks = _group_ranks(model)
-    if len(ranks) == 1:
-        return
-    store = tdist.distributed_c10d._get_default_store()
-    _entries[what] = _entries.get(what, 0) + 1
-    base = f"minifsdp/{what}/{_entries[what]}"
-    store.set(f"{base}/{dist.rank()}", "1")
-    keys = [f"{base}/{r}" for r in ranks]
-    deadline = time.monotonic() + ENTRY_TIMEOUT_S
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            raise RuntimeError(f"{what}() was called on rank {dist.rank()} but not on ranks {absent} within "
-                               f"{ENTRY_TIMEOUT_S:.0f}s; it gathers shards with collectives, so call it on every "
-                               "rank (rank0_only=True keeps the result on rank 0 only)")
-        time.sleep(0.005)
-
-
 def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
     """Every original parameter's clean key -> (its handle, its ParamInfo)."""
     return {_key(prefix, info.fqn): (h, info) for prefix, u in _units(model) for h in u._handles for info in h.infos}
@@ -164,7 +133,7 @@ def state_dict(model: nn.Module, *args: Any, destination: dict | None = None, pr
 def _clean_state_dict(model: nn.Module) -> dict[str, Any]:
     kind, cfg, _ = _settings(model)
     if kind == StateDictType.FULL_STATE_DICT:
-        _all_ranks_enter("state_dict", model)
+        all_ranks_enter("state_dict", model)
         with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), _plain(model):
             raw = nn.Module.state_dict(model)
         out = {clean_name(k): v.detach().clone() for k, v in raw.items()}
@@ -260,7 +229,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     kind, _, ocfg = _settings(model)
     full = kind != StateDictType.SHARDED_STATE_DICT
     if full:
-        _all_ranks_enter("optim_state_dict", model)
+        all_ranks_enter("optim_state_dict", model)
     flat, names = _names_of_params(model)
     params = [p for g in optim.param_groups for p in g["params"]]
     state: dict[str, Any] = {}
