@@ -25,8 +25,8 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from minifsdp import WorkerError, data, estimate, launch, models, trace
-from minifsdp.zero import (OSS, ShardedDataParallel, bytes_per_step, optimizer_state_bytes, partition_parameters,
-                           wrap_zero)
+from minifsdp.zero import (OSS, ShardedDataParallel, all_reduce_gradients, bytes_per_step, optimizer_state_bytes,
+                           partition_parameters, wrap_zero)
 
 STEPS, B, T, LR, WD, EPS = 3, 12, 16, 1e-2, 0.1, 1e-6
 LOSS_ATOL, PARAM_ATOL, STATE_ATOL, NORM_RTOL = 1e-5, 1e-4, 1e-6, 1e-5
@@ -341,7 +341,7 @@ def test_inside_subgroups(stage):
 
 
 def _torch_zero_worker(stage):
-    """Ours next to PyTorch's own ZeRO-1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer."""
+    """Ours next to PyTorch's own ZeRO-1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (same tolerances)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -351,16 +351,22 @@ def _torch_zero_worker(stage):
     theirs = DistributedDataParallel(theirs_module)
     theirs_opt = ZeroRedundancyOptimizer(theirs_module.parameters(), optimizer_class=torch.optim.AdamW,
                                          lr=LR, weight_decay=WD, eps=EPS)
+    # And the by-hand ZeRO-1 a lab writes first: OSS + one all-reduce per gradient after backward.
+    manual = _build("gpt-tiny")
+    manual_opt = OSS(manual.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
     rows = slice(r * B // n, (r + 1) * B // n)
     for step in range(STEPS):
-        for model, opt in ((ours, ours_opt), (theirs, theirs_opt)):
+        for model, opt in ((ours, ours_opt), (theirs, theirs_opt), (manual, manual_opt)):
             _loss("gpt-tiny", model, *_batch("gpt-tiny", step, rows)).backward()
+            if model is manual:
+                all_reduce_gradients(manual)
             opt.step()
             opt.zero_grad()
     ours_opt.consolidate_state_dict(0)
     theirs_opt.consolidate_state_dict(0)
     states = (ours_opt.state_dict(), theirs_opt.state_dict()) if r == 0 else None
-    return {"ours": {k: v.clone() for k, v in ours_module.state_dict().items()},
+    return {"manual": {k: v.clone() for k, v in manual.state_dict().items()},
+            "ours": {k: v.clone() for k, v in ours_module.state_dict().items()},
             "theirs": {k: v.clone() for k, v in theirs_module.state_dict().items()}, "states": states}
 
 
@@ -369,6 +375,7 @@ def test_matches_torch_zero_redundancy_optimizer(stage, n):
     results = launch(_torch_zero_worker, n, stage, timeout=120)
     for out in results:
         _assert_same_params(out["ours"], out["theirs"])
+        _assert_same_params(out["manual"], _reference("gpt-tiny")[2][-1][0])
     ours, theirs = results[0]["states"]
     assert ours["state"].keys() == theirs["state"].keys()
     for i, s in theirs["state"].items():
