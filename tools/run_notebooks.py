@@ -68,10 +68,18 @@ def kernel_env(root: Path) -> dict[str, str]:
 
 
 def _text_outputs(cell: NotebookNode) -> list[str]:
-    texts = []
+    texts: list[str] = []
+    last_was_stream: str | None = None
     for out in cell.outputs:
         if out.output_type == "stream":
-            texts.append(f"{out.name}: {out.text}")
+            # The kernel may split one print across several chunks: merge consecutive ones.
+            if texts and texts[-1].startswith(f"{out.name}: ") and last_was_stream == out.name:
+                texts[-1] += out.text
+            else:
+                texts.append(f"{out.name}: {out.text}")
+            last_was_stream = out.name
+            continue
+        last_was_stream = None
         elif out.output_type in ("execute_result", "display_data"):
             texts.append(out.get("data", {}).get("text/plain", ""))
         elif out.output_type == "error":
