@@ -55,7 +55,7 @@ def _batch(step):
 
 def _fsdp_kwargs(strategy, auto):
     kw = {"sharding_strategy": ShardingStrategy[strategy]}
-    if strategy == "HYBRID_SHARD":
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         kw["process_group"] = init_hybrid_groups(HYBRID_SHARD_SIZE[tdist.get_world_size()])
     if auto:
         kw["auto_wrap_policy"] = ModuleWrapPolicy({nn.Sequential})
@@ -93,8 +93,8 @@ def _train(kwargs, steps=STEPS, max_norm=0.5):
 
 
 def _all_strategies():
-    return {(s, auto): _train(_fsdp_kwargs(s, auto))
-            for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD") for auto in (False, True)}
+    runs = [(s, auto) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD") for auto in (False, True)]
+    return {(s, auto): _train(_fsdp_kwargs(s, auto)) for s, auto in runs + [("_HYBRID_SHARD_ZERO2", True)]}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,7 @@ def _layout_and_bytes():
     x, y = _batch(0)
     rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
     F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+    out["inf_norm"] = model.clip_grad_norm_(1e9, norm_type=float("inf")).item()  # max |g| over every shard
     opt.step()
     out["persistent"] = {
         "params": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -159,7 +160,11 @@ def test_flat_layout_padding_and_persistent_bytes(n):
     ref = Toy()
     trainable = sum(p.numel() for p in ref.parameters() if p.requires_grad)  # tied head counted once
     frozen = sum(p.numel() for p in ref.parameters() if not p.requires_grad)
+    x, y = _batch(0)
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    ref_inf = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=float("inf")).item()
     for r, out in enumerate(outs):
+        assert out["inf_norm"] == pytest.approx(ref_inf, rel=RTOL, abs=ATOL)
         # model.parameters() yields only flat shards: 1 trainable per unit + the frozen one of the root
         assert [name for name, _, _ in out["params"]] == [
             "_flat_param", "_flat_param_frozen", "_fsdp_wrapped_module.layers._flat_param",
