@@ -69,18 +69,18 @@ def kernel_env(root: Path) -> dict[str, str]:
 
 def _text_outputs(cell: NotebookNode) -> list[str]:
     texts: list[str] = []
-    last_was_stream: str | None = None
+    last_stream: str | None = None
     for out in cell.outputs:
         if out.output_type == "stream":
-            # The kernel may split one print across several chunks: merge consecutive ones.
-            if texts and texts[-1].startswith(f"{out.name}: ") and last_was_stream == out.name:
+            # The kernel may split one print across chunks: merge consecutive ones of a stream.
+            if last_stream == out.name:
                 texts[-1] += out.text
             else:
                 texts.append(f"{out.name}: {out.text}")
-            last_was_stream = out.name
+            last_stream = out.name
             continue
-        last_was_stream = None
-        elif out.output_type in ("execute_result", "display_data"):
+        last_stream = None
+        if out.output_type in ("execute_result", "display_data"):
             texts.append(out.get("data", {}).get("text/plain", ""))
         elif out.output_type == "error":
             texts.append(out.ename)
