@@ -56,7 +56,7 @@ def _wrap(kind: str, model: nn.Module, **kw):
         return NaiveDataParallel(model)
     if kind == "torch":
         return torch.nn.parallel.DistributedDataParallel(model, **kw)
-    return DistributedDataParallel(model, gradient_as_bucket_view=(kind == "ddp_view"), **kw)
+    return DistributedDataParallel(model, gradient_as_bucket_view=kind.startswith("ddp_view"), **kw)
 
 
 def _train(kinds: list[str], accum: int, steps: int = STEPS, bucket_cap_mb: float = 0.05) -> dict:
@@ -80,7 +80,7 @@ def _train(kinds: list[str], accum: int, steps: int = STEPS, bucket_cap_mb: floa
                     loss.backward()
                 local += loss.item()
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=(kind != "ddp_view_keep"))  # keep: grads accumulate in place in the buckets
             total = torch.tensor([local])
             tdist.all_reduce(total)  # test bookkeeping only: the global mean loss
             losses.append(total.item() / n)
@@ -92,10 +92,10 @@ def _train(kinds: list[str], accum: int, steps: int = STEPS, bucket_cap_mb: floa
 @pytest.mark.parametrize("accum", [1, 2])
 def test_parity_with_single_process_and_torch_ddp(n, accum):
     ref_losses, ref_params = _single_process_reference()
-    results = launch(_train, n, ["naive", "ddp", "ddp_view", "torch"], accum, timeout=120)
+    results = launch(_train, n, ["naive", "ddp", "ddp_view", "ddp_view_keep", "torch"], accum, timeout=120)
     for r, res in enumerate(results):
         torch_run = res["torch"]
-        for kind in ("naive", "ddp", "ddp_view"):
+        for kind in ("naive", "ddp", "ddp_view", "ddp_view_keep"):
             ours = res[kind]
             assert ours["losses"] == pytest.approx(ref_losses, abs=LOSS_TOL), (kind, r)
             assert ours["losses"] == pytest.approx(torch_run["losses"], abs=LOSS_TOL), (kind, r)
@@ -111,6 +111,53 @@ def test_parity_with_single_process_and_torch_ddp(n, accum):
         # every rank holds the same model (the broadcast at wrap worked, every step was identical)
         for name, p in res["ddp"]["params"].items():
             assert torch.equal(p, results[0]["ddp"]["params"][name])
+
+
+def _subgroups():
+    """Two data-parallel groups {0, 1} and {2, 3} (what a 2 x 2 mesh's data dimension looks like)."""
+    r = tdist.get_rank()
+    groups = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]  # every rank creates every group
+    mine = groups[r // 2]
+    out = {}
+    for kind in ("ddp", "torch"):
+        model = build_model("gpt-tiny", seed=r)  # ranks 2, 3 start from rank 2's weights, not rank 0's
+        model = (DistributedDataParallel(model, process_group=mine, bucket_cap_mb=0.05) if kind == "ddp" else
+                 torch.nn.parallel.DistributedDataParallel(model, process_group=mine, bucket_cap_mb=0.05))
+        x, y = _batch(r)  # each rank its own data
+        lm_loss(model(x[:4]), y[:4]).backward()
+        out[kind] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        out[kind + "_w"] = model.module.head.weight.detach().clone()
+    return out
+
+
+def test_process_group_subgroups_match_torch():
+    res = launch(_subgroups, 4, timeout=120)
+    for r in range(4):
+        for name, g in res[r]["torch"].items():
+            assert torch.equal(res[r]["ddp"][name], g), (r, name)  # sums of 2: bit-identical
+    assert torch.equal(res[0]["ddp_w"], res[1]["ddp_w"]) and torch.equal(res[2]["ddp_w"], res[3]["ddp_w"])
+    assert not torch.equal(res[0]["ddp_w"], res[2]["ddp_w"])    # each group broadcast from its own first rank
+    assert torch.equal(res[2]["ddp"]["head.weight"], res[3]["ddp"]["head.weight"])
+    assert not torch.equal(res[0]["ddp"]["head.weight"], res[2]["ddp"]["head.weight"])
+
+
+def _grad_storage(view: bool):
+    model = DistributedDataParallel(build_model("gpt-tiny"), bucket_cap_mb=0.05, gradient_as_bucket_view=view)
+    x, y = _batch(0)
+    lm_loss(model(x), y).backward()
+    grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+             for p in model.module.parameters()}
+    buckets = {b.buffer.untyped_storage().data_ptr(): b.nbytes for b in model.buckets}
+    psi = sum(p.numel() * 4 for p in model.module.parameters())
+    return grads, buckets, psi
+
+
+def test_gradient_as_bucket_view_saves_one_gradient_copy():
+    grads, buckets, psi = launch(_grad_storage, 1, True, timeout=60)[0]
+    assert grads == buckets and sum(buckets.values()) == psi          # grads live in the buckets: Ψ in all
+    grads, buckets, psi = launch(_grad_storage, 1, False, timeout=60)[0]
+    assert not set(grads) & set(buckets)                              # separate copies: 2Ψ in all
+    assert sum(grads.values()) + sum(buckets.values()) == 2 * psi
 
 
 def test_bucket_assignment_reverse_order_and_cap():
