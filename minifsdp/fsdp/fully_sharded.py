@@ -117,8 +117,9 @@ class FullyShardedDataParallel(nn.Module):
                             **kwargs)
         self._fsdp_wrapped_module = module
         params = managed_params(module, ignored, FullyShardedDataParallel)
+        buffers = managed_buffers(module, ignored, self.compute_device)
         if sync_module_states:
-            self._sync_module_states([p for *_, p in params] + managed_buffers(module, ignored))
+            self._sync_module_states([p for *_, p in params] + buffers)
         self._handles: list[FlatParamHandle] = []
         for requires_grad, attr in ((True, "_flat_param"), (False, "_flat_param_frozen")):
             group = [entry for entry in params if entry[3].requires_grad == requires_grad]
@@ -165,9 +166,11 @@ class FullyShardedDataParallel(nn.Module):
         """sync_module_states: every rank starts from rank 0's values (across replicas, then the shard group)."""
         with torch.no_grad():
             for t in tensors:
+                buf = t.data.to(self.compute_device)  # nccl broadcasts device tensors only
                 for group in (self._replicate_group, self._shard_group):
                     if group is not None and dist.world_size(group) > 1:
-                        comm.broadcast(t.data, src=tdist.get_global_rank(group, 0), group=group)
+                        comm.broadcast(buf, src=tdist.get_global_rank(group, 0), group=group)
+                t.data.copy_(buf)
 
     # -- lazy init (first forward): who is the root -------------------------------
     def _lazy_init(self) -> None:

@@ -67,8 +67,16 @@ def managed_params(module: nn.Module, ignored: set[nn.Module],
     return out
 
 
-def managed_buffers(module: nn.Module, ignored: set[nn.Module]) -> list[torch.Tensor]:
-    return [b for m in module.modules() if m not in ignored for b in m._buffers.values() if b is not None]
+def managed_buffers(module: nn.Module, ignored: set[nn.Module], device: torch.device) -> list[torch.Tensor]:
+    """Buffers are not sharded (every rank keeps them whole); move them to the compute device."""
+    out = []
+    for m in module.modules():
+        if m not in ignored:
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b = b.to(device)
+                    out.append(b)
+    return out
 
 
 def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | None) -> ShardingStrategy:
