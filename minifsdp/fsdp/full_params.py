@@ -36,26 +36,25 @@ def clip_grad_norm_(model: FSDP, max_norm: float, norm_type: float = 2.0) -> tor
     shard, so they are not counted twice). Same result as
     ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
     """
-    norm_type = float(norm_type)
+    norm_type, inf = float(norm_type), float(norm_type) == math.inf
     flat = {id(h.flat_param) for u in model.modules() if isinstance(u, FSDP) for h in u._handles}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded = [p.grad for p in model.parameters() if p.grad is not None and id(p) in flat]
-    local = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in flat]  # ignored modules
     dev = model.compute_device
-    if norm_type == math.inf:
-        total = torch.stack([g.abs().max().to(dev, torch.float32) for g in sharded] or [torch.zeros((), device=dev)]).max()
-        if model._shard_group is not None:
-            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=model._shard_group)
-        total = torch.stack([total] + [g.abs().max().to(dev, torch.float32) for g in local]).max()
-    else:
-        total = sum((g.float().norm(norm_type) ** norm_type).to(dev) for g in sharded) + torch.zeros((), device=dev)
-        if model._shard_group is not None:
-            comm.all_reduce(total, group=model._shard_group)
-        total = (total + sum((g.float().norm(norm_type) ** norm_type).to(dev) for g in local)) ** (1 / norm_type)
+
+    def local(gs: list[torch.Tensor]) -> torch.Tensor:  # sum of |g|^p over tensors (max |g| for p = inf)
+        norms = torch.stack([g.float().norm(norm_type).to(dev) for g in gs] or [torch.zeros((), device=dev)])
+        return norms.max() if inf else (norms ** norm_type).sum()
+    total = local([p.grad for p in model.parameters() if p.grad is not None and id(p) in flat])
+    if model._shard_group is not None:  # add up (or max over) the shards of every rank
+        comm.all_reduce(total, op=comm.ReduceOp.MAX if inf else comm.ReduceOp.SUM, group=model._shard_group)
+    # parameters of ignored modules are not sharded: their (local) gradients count once, here
+    unsharded = local([p.grad for p in model.parameters() if p.grad is not None and id(p) not in flat])
+    total = torch.maximum(total, unsharded) if inf else (total + unsharded) ** (1 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
 
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
