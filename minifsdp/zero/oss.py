@@ -224,21 +224,16 @@ class OSS(torch.optim.Optimizer):
         Returns the total norm (the same on every rank). Call it on every rank.
         """
         norm_type = float(norm_type)
+        inf = norm_type == float("inf")
         grads = [p.grad for p in self.local_params if p.grad is not None]
         device = self.local_params[0].device if self.local_params else dist.device()
-        norms = [torch.linalg.vector_norm(g, norm_type).float() for g in grads]
-        if norm_type == float("inf"):
-            local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-            total = local.reshape(1).clone()
-            if self.world_size > 1:
-                comm.all_reduce(total, op=comm.ReduceOp.MAX, group=self.group)
-            total = total[0]
-        else:
-            local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-            total = local.reshape(1).clone()
-            if self.world_size > 1:
-                comm.all_reduce(total, group=self.group)
-            total = total[0].pow(1.0 / norm_type)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads]
+                            or [torch.zeros((), device=device)])
+        # max of maxima for inf; otherwise the p-th root of the sum of |g|^p over all shards
+        total = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
+        if self.world_size > 1:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX if inf else comm.ReduceOp.SUM, group=self.group)
+        total = total[0] if inf else total[0].pow(1.0 / norm_type)
         clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # the formula torch uses
         for g in grads:
             g.mul_(clip_coef.to(g.dtype))
