@@ -158,12 +158,13 @@ def check_data_parallel(results, world):
     worst = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
     for n in grads:
         assert torch.allclose(grads[n], ref_grads[n], atol=GRAD_ATOL, rtol=GRAD_RTOL), (
-            f"with {world} ranks the gradient of {n!r} differs from the single-process one by up to {worst:.2e} "
-            f"(tolerance atol {GRAD_ATOL}, rtol {GRAD_RTOL}). Each rank must use its own slice "
-            "(get_batch(..., rank=rank, world_size=world)) and the mean loss models.lm_loss(model(x), y).")
+            f"with {world} rank(s) the gradient of {n!r} differs from the single-process one by up to {worst:.2e} "
+            f"(tolerance atol {GRAD_ATOL}, rtol {GRAD_RTOL}). Likely causes: the broadcast came after the "
+            "forward (every rank must compute its gradient at rank 0's weights: broadcast first), or the loss "
+            "is not the mean loss of this rank's slice, models.lm_loss(model(x), y).")
     mean_loss = sum(res["loss"] for res in results) / world
     assert abs(mean_loss - reference_loss.item()) < LOSS_ATOL, (
-        f"with {world} ranks the mean of the rank losses is {mean_loss:.6f}, the single-process loss "
+        f"with {world} rank(s) the mean of the rank losses is {mean_loss:.6f}, the single-process loss "
         f"{reference_loss.item():.6f}: return the local mean loss of each rank's own slice.")
     return worst
 
@@ -419,27 +420,94 @@ ax.grid(alpha=0.3)
 # ## 3. Gradient accumulation and `no_sync()`
 #
 # To train with a batch larger than fits in memory, run k micro-batches, let the
-# gradients add up in `p.grad`, and step once. With data parallel, all-reducing after
-# every micro-batch is wasted work: averaging is linear, so one all-reduce of the sum,
-# after the last micro-batch, gives the same result for 1/k of the traffic. `no_sync()`
-# turns the all-reduce off:
+# gradients add up in `p.grad`, and step once; dividing each micro-batch's mean loss by
+# k makes the sum the gradient of the mean over all k micro-batches. With data parallel,
+# all-reducing after every micro-batch is wasted work: averaging is linear, so *one*
+# all-reduce of the accumulated sum, after the last micro-batch, gives the same result
+# for 1/k of the traffic. `model.no_sync()` is a context manager that turns the
+# all-reduce off for what runs inside it.
 #
-# ```python
-# with model.no_sync():                      # micro-batches 0 .. k-2: forward AND backward inside
-#     for x, y in micro_batches[:-1]:
-#         (loss_fn(model(x), y) / k).backward()
-# (loss_fn(model(x_last), y_last) / k).backward()   # the last one, outside: one all-reduce of the sum
-# ```
+# The catch: PyTorch's DDP decides **in `forward`** whether the coming backward will
+# synchronise (`minifsdp.ddp.DistributedDataParallel` copies that behaviour). So the
+# *forward and the backward* of micro-batches 0 .. k-2 belong inside `no_sync()`, and
+# the last micro-batch, forward included, outside.
 #
-# The pitfall: PyTorch's DDP decides **in `forward`** whether the coming backward will
-# synchronise (`minifsdp.ddp.DistributedDataParallel` copies that behaviour). Put only the
-# `backward()` inside `no_sync()` and it synchronises anyway. Put only the *forward* of the
-# last micro-batch inside, and nothing is ever all-reduced. Four ways to write the loop,
-# on 2 ranks, 4 micro-batches of `gpt-tiny`, with the all-reduce bytes the tracer counted
-# in each micro-step:
+# ### Exercise 2: accumulate with one all-reduce per step
+#
+# Write `accumulation_step(model, micro_batches)`: `model` is a `DistributedDataParallel`,
+# `micro_batches` a list of k `(x, y)` pairs. Afterwards `p.grad` must hold the gradient
+# of the mean loss over all k micro-batches and all ranks, and exactly one all-reduce
+# of the gradients (2Ψ bytes) may have happened. The check runs it on 2 and 4 ranks with
+# k = 4 and counts the bytes with the tracer.
 
 # %%
 ACCUM, ACC_BATCH = 4, 16   # micro-batches per step; global batch (2 ranks x 4 micro-batches x 2 sequences)
+
+
+def accumulation_step(model, micro_batches):
+    k = len(micro_batches)
+    # BEGIN SOLUTION
+    # HINT: for the first k-1 micro-batches run loss = models.lm_loss(model(x), y) / k and loss.backward() both inside `with model.no_sync():`; run the last micro-batch (forward and backward) outside it.
+    with model.no_sync():
+        for x, y in micro_batches[:-1]:
+            (models.lm_loss(model(x), y) / k).backward()
+    x, y = micro_batches[-1]
+    (models.lm_loss(model(x), y) / k).backward()
+    # END SOLUTION
+
+
+def accumulation_worker(accum, batch, seq_len):
+    rank, world = dist.rank(), dist.world_size()
+    model = DistributedDataParallel(models.build_model("gpt-tiny", seed=0).to(dist.device()))
+    micro_batches = [tuple(t.to(dist.device()) for t in data.get_batch(
+        0, batch, seq_len, rank=rank, world_size=world, micro_step=m, grad_accum=accum)) for m in range(accum)]
+    with trace.Tracer() as tracer:
+        accumulation_step(model, micro_batches)
+    return {"all_reduce_bytes": tracer.trace.bytes_by_op().get("all_reduce", 0),
+            "grads": {n: None if p.grad is None else p.grad.cpu() for n, p in model.module.named_parameters()}}
+
+
+# the single-process gradient of the whole global batch of 16 sequences
+acc_ref = models.build_model("gpt-tiny", seed=0)
+xa, ya = data.get_batch(0, ACC_BATCH, SEQ)
+models.lm_loss(acc_ref(xa), ya).backward()
+acc_ref_grads = {n: p.grad for n, p in acc_ref.named_parameters()}
+
+# %%
+# CHECK: one all-reduce per step, and the gradient of the whole global batch
+for world in (2, 4):
+    res = launch(accumulation_worker, world, ACCUM, ACC_BATCH, SEQ, timeout=120)
+    moved = res[0]["all_reduce_bytes"]
+    assert moved != ACCUM * 2 * psi, (
+        f"with {world} ranks every micro-batch was all-reduced ({moved:,} B = {ACCUM} x 2 Psi): run the forward "
+        "AND the backward of micro-batches 0..k-2 inside `with model.no_sync():` (the forward matters: DDP "
+        "decides in forward whether the coming backward all-reduces)")
+    assert moved != 0, (
+        f"with {world} ranks nothing was all-reduced: the last micro-batch (its forward included) must run "
+        "OUTSIDE no_sync(), so that its backward all-reduces the accumulated gradients")
+    assert moved == 2 * psi, (
+        f"with {world} ranks {moved:,} B were all-reduced, expected exactly one all-reduce of every gradient "
+        f"(2 Psi = {2 * psi:,} B): only the last micro-batch may run outside no_sync()")
+    grads = res[0]["grads"]
+    assert all(g is not None for g in grads.values()), "some parameters have no .grad: call backward() on each loss"
+    ratio = (sum((grads[n] * acc_ref_grads[n]).sum() for n in grads)
+             / sum((g * g).sum() for g in acc_ref_grads.values())).item()
+    assert abs(ratio - ACCUM) > 0.05 * ACCUM, (
+        f"with {world} ranks the gradients are {ACCUM}x too large: divide each micro-batch's loss by k = "
+        "len(micro_batches), so that the sum of the k gradients is the gradient of their mean")
+    for n in grads:
+        assert torch.allclose(grads[n], acc_ref_grads[n], atol=GRAD_ATOL, rtol=GRAD_RTOL), (
+            f"with {world} ranks the accumulated gradient of {n!r} is not the single-process gradient of the "
+            f"whole batch (atol {GRAD_ATOL}, rtol {GRAD_RTOL}): run every micro-batch once, each loss divided by k")
+    for r in range(1, world):
+        assert all(torch.equal(res[r]["grads"][n], grads[n]) for n in grads), f"rank {r}'s gradients differ from rank 0's"
+    print(f"{world} ranks: one all-reduce ({moved:,} B = 2 Psi) for {ACCUM} micro-batches; gradients = single process")
+
+# %% [markdown]
+# What goes wrong with the other ways of writing the loop? Four loops on 2 ranks, with
+# the all-reduce bytes the tracer counted in each micro-step:
+
+# %%
 VARIANTS = {
     "no no_sync (sync every micro-batch)": "none",
     "forward+backward in no_sync (right)": "both",
@@ -470,12 +538,6 @@ def accumulate(variant, accum, batch, seq_len):
                              if c.name == "all_reduce" and s.start <= c.start <= s.end))
     return {"bytes": per_micro, "grads": {n: p.grad.cpu() for n, p in model.module.named_parameters()}}
 
-
-# the single-process gradient of the whole global batch of 16 sequences
-acc_ref = models.build_model("gpt-tiny", seed=0)
-xa, ya = data.get_batch(0, ACC_BATCH, SEQ)
-models.lm_loss(acc_ref(xa), ya).backward()
-acc_ref_grads = {n: p.grad for n, p in acc_ref.named_parameters()}
 
 accum_runs = {name: launch(accumulate, 2, v, ACCUM, ACC_BATCH, SEQ, timeout=120) for name, v in VARIANTS.items()}
 
@@ -509,7 +571,9 @@ for name, res in accum_runs.items():
 # strategy (`python -m minifsdp.train` from a shell). Four strategies on the same seed,
 # model and global batch: `single` (one process, the whole batch), `ddp-naive`, `ddp` and
 # `torch-ddp` (`torch.nn.parallel.DistributedDataParallel`), the last three on 2 ranks.
-# The trainer's loss of a step is the mean over the global batch.
+# The trainer's loss of a step is the mean over the global batch. Both DDPs get 1 MiB
+# buckets (`bucket_cap_mb=1.0`), the size that overlapped well in section 2; with an
+# explicit cap, torch too uses it for every bucket.
 
 # %%
 CMP_STEPS, CMP_MODEL = 8, "gpt-mini"
@@ -518,7 +582,8 @@ metrics = {}
 for s in strategies:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(strategy=s, world_size=1 if s == "single" else 2, model=CMP_MODEL, steps=CMP_STEPS,
-                          batch_size=8, seq_len=32, out=out, quiet=True, track_memory=False, timeout=120)
+                          batch_size=8, seq_len=32, bucket_cap_mb=1.0, out=out, quiet=True, track_memory=False,
+                          timeout=120)
         metrics[s] = train(cfg)
 
 # %%
@@ -528,12 +593,14 @@ for step in range(CMP_STEPS):
 for s in strategies[1:]:
     diff = max(abs(a - b) for a, b in zip(metrics[s]["losses"], metrics["single"]["losses"]))
     print(f"max |loss({s}) - loss(single)| over {CMP_STEPS} steps: {diff:.2e}")
-print(f"\n{'strategy':<10} {'ranks':>5} {'median step ms (rank 0)':>24} {'bytes/step (comm, rank 0)':>28}")
+print(f"\n{'strategy':<10} {'ranks':>5} {'median step ms':>15} {'(min - max)':>16} {'comm bytes/step':>16}  (rank 0)")
 for s in strategies:
     m = metrics[s]
+    times = [1e3 * t for t in m["step_time_s"][0]]
     moved = sum(m["bytes_per_step"][0].values())
-    moved_txt = f"{moved / MiB:.2f} MiB" if moved else "- (not traced)" if s == "torch-ddp" else "0"
-    print(f"{s:<10} {m['world_size']:>5} {1e3 * m['median_step_time_s'][0]:>24.1f} {moved_txt:>28}")
+    moved_txt = f"{moved / MiB:.2f} MiB" if moved else "not traced" if s == "torch-ddp" else "0"
+    print(f"{s:<10} {m['world_size']:>5} {statistics.median(times):>15.1f} {f'({min(times):.0f} - {max(times):.0f})':>16} "
+          f"{moved_txt:>16}")
 
 # %%
 # The trainer's parity contract, asserted
