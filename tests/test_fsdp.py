@@ -131,7 +131,7 @@ def _layout_and_bytes():
             # the shard is exactly rank r's slice of [unique params..., zero padding]
             full = h.flatten([flat_ref[_ref_key(u, i.fqn)] for i in h.unique_infos])
             out["units"].append({"numel": h.numel, "padded": h.padded_numel, "shard": h.flat_param.numel(),
-                                 "exact": torch.equal(h.flat_param.detach(), full[r * h.shard_numel:(r + 1) * h.shard_numel]),
+                                 "exact": torch.equal(h.flat_param.detach(), full.chunk(n)[r]),
                                  "trainable": h.requires_grad, "full_bytes_at_rest": h._full.untyped_storage().nbytes(),
                                  "shared": [i.fqn for i in h.infos if i.shared_with is not None]})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -146,7 +146,8 @@ def _mixed(mp):
     model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp)
     with trace.Tracer() as tracer:
         losses = _train(model, 3)
-    dtypes = {(s.name, s.args["dtype"]) for s in tracer.trace.comm_spans() if s.name in ("all_gather", "reduce_scatter")}
+    dtypes = {(s.name, s.args["dtype"]) for s in tracer.trace.comm_spans()
+              if s.name in ("all_gather", "reduce_scatter")}
     masters = {str(p.dtype) for p in model.parameters()}
     return losses, dtypes, masters
 

@@ -162,6 +162,9 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self._fsdp_wrapped_module, name)  # e.g. model.config, like torch's FSDP
 
+    def __getitem__(self, key: Any) -> Any:
+        return self._fsdp_wrapped_module[key]  # a wrapped nn.Sequential / ModuleList still indexes
+
     def _sync_module_states(self, tensors: list[torch.Tensor]) -> None:
         """sync_module_states: every rank starts from rank 0's values (across replicas, then the shard group)."""
         with torch.no_grad():

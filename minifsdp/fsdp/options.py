@@ -113,7 +113,7 @@ def groups(process_group: Any, strategy: ShardingStrategy) -> tuple[Any, Any]:
     return (None, group) if strategy == ShardingStrategy.NO_SHARD else (group, None)
 
 
-_hybrid_cache: dict[int, tuple[Any, Any]] = {}
+_hybrid_cache: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
@@ -127,7 +127,8 @@ def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
     shard_size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide the world size {world}")
-    if shard_size not in _hybrid_cache:
+    key = (id(tdist.distributed_c10d._get_default_group()), shard_size)  # a new world needs new groups
+    if key not in _hybrid_cache:
         rank, mine = dist.rank(), [None, None]
         for start in range(0, world, shard_size):  # every rank creates every group, in the same order
             ranks = list(range(start, start + shard_size))
@@ -137,8 +138,8 @@ def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
             ranks = list(range(offset, world, shard_size))
             g = tdist.new_group(ranks)
             mine[1] = g if rank in ranks else mine[1]
-        _hybrid_cache[shard_size] = (mine[0], mine[1])
-    return _hybrid_cache[shard_size]
+        _hybrid_cache[key] = (mine[0], mine[1])
+    return _hybrid_cache[key]
 
 
 _optimizer_check_installed = False

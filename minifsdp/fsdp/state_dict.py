@@ -283,7 +283,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             continue
         absent = [_key(prefix, i.fqn) for i, s in zip(infos, saved) if s is None]
         if absent:
-            raise RuntimeError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} (saved from another model?)")
+            raise RuntimeError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} "
+                               "(saved from another model?)")
         new: dict[str, Any] = {}
         for k, v0 in saved[0].items():
             values = [s[k] for s in saved]
