@@ -326,6 +326,10 @@ def test_bad_input_errors_name_the_fix():
         ShardedDataParallel(model, OSS(_build("odd").parameters(), lr=LR))
     with pytest.raises(ValueError, match="param groups"):
         oss.load_state_dict({"state": {}, "param_groups": []})
+    with pytest.raises(NotImplementedError, match="leave it False"):
+        OSS(model.parameters(), broadcast_fp16=True)
+    with pytest.raises(NotImplementedError, match="leave it False"):
+        ShardedDataParallel(model, oss, reduce_fp16=True)
     _loss("odd", model, *_batch("odd", 0)).backward()
     oss.step()
     with pytest.raises(RuntimeError, match="create the OSS with all param groups"):
@@ -449,3 +453,35 @@ def _mismatched_models():
 def test_different_models_on_ranks_is_an_error_not_a_hang():
     with pytest.raises(WorkerError, match="ranks hold different models.*same model on every rank"):
         launch(_mismatched_models, 2, timeout=60)
+
+
+def _sgd_run(distributed):
+    """SGD with momentum through OSS (FairScale-style arguments) on the odd model; a world of one if not distributed."""
+    module = _build("odd")
+    r, n = (tdist.get_rank(), tdist.get_world_size()) if distributed else (0, 1)
+    if distributed:
+        opt = OSS(module.parameters(), optim=torch.optim.SGD, broadcast_buffer_size=-1, force_broadcast_object=True,
+                  lr=0.1, momentum=0.9)
+        model = ShardedDataParallel(module, opt, reduce_buffer_size=2**23, auto_refresh_trainable=False)
+    else:
+        model, opt = module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        _loss("odd", model, *_batch("odd", step, slice(r * B // n, (r + 1) * B // n))).backward()
+        opt.step()
+        opt.zero_grad()
+    if distributed:
+        opt.consolidate_state_dict()
+    return {k: v.clone() for k, v in module.state_dict().items()}, opt.state_dict() if r == 0 else None
+
+
+def test_any_inner_optimizer_sgd_momentum():
+    """optim=torch.optim.SGD: other state (momentum_buffer), same parity, same consolidated state."""
+    want_params, want_state = _sgd_run(False)
+    results = launch(_sgd_run, 3, True, timeout=120)
+    for params, _ in results:
+        _assert_same_params(params, want_params, atol=1e-6)
+    got_state = results[0][1]
+    assert got_state["param_groups"] == want_state["param_groups"]
+    assert got_state["state"].keys() == want_state["state"].keys() == {0, 1, 2}
+    for i, s in want_state["state"].items():
+        torch.testing.assert_close(got_state["state"][i]["momentum_buffer"], s["momentum_buffer"], atol=1e-6, rtol=0)

@@ -107,17 +107,24 @@ class OSS(torch.optim.Optimizer):
     ``self.optim`` is the inner optimizer, built on this rank's partition only,
     and ``self.state`` is its state. ``broadcast_buffer_size`` (bytes): small
     parameters of one owner travel packed together in flat buffers up to this
-    size, bigger ones alone; 0 broadcasts every parameter by itself.
+    size, bigger ones alone; 0 broadcasts every parameter by itself, -1
+    (FairScale's "unset") means the default. ``force_broadcast_object`` is
+    accepted for FairScale's sake and changes nothing.
 
     Works in a world of one without a process group (then it is just ``optim``).
     """
 
     def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 group: ProcessGroup | None = None, broadcast_buffer_size: int = 2**20, **defaults: Any):
+                 group: ProcessGroup | None = None, broadcast_buffer_size: int = 2**20,
+                 broadcast_fp16: bool = False, force_broadcast_object: bool = False, **defaults: Any):
         if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
             raise TypeError(f"OSS(optim=...) takes an optimizer class such as torch.optim.AdamW, got {optim!r}")
-        if broadcast_buffer_size < 0:
-            raise ValueError(f"broadcast_buffer_size is in bytes and must be >= 0, got {broadcast_buffer_size}")
+        if broadcast_fp16:
+            raise NotImplementedError("OSS(broadcast_fp16=True) is not implemented; leave it False "
+                                      "(parameters travel in their own dtype)")
+        if broadcast_buffer_size < 0:  # FairScale's "unset" (-1): our default
+            broadcast_buffer_size = 2**20
+        del force_broadcast_object  # FairScale's switch for how state dicts travel; ours always serialise
         self._building = True  # Optimizer.__init__ calls add_param_group for every group
         super().__init__(params, defaults)
         self._building = False

@@ -75,7 +75,9 @@ class ShardedDataParallel(nn.Module):
     """Wrap ``module`` so backward reduces each gradient to the rank whose ``OSS`` shard owns it.
 
     Arguments follow FairScale: ``ShardedDataParallel(module, sharded_optimizer,
-    process_group=None, broadcast_buffers=True, sync_models_at_startup=True)``,
+    process_group=None, broadcast_buffers=True, sync_models_at_startup=True)``
+    (its ``reduce_buffer_size``, ``auto_refresh_trainable`` and
+    ``warn_on_trainable_params_changed`` are accepted and have no effect),
     plus ``shard_gradients`` (False: all-reduce every gradient and keep it,
     i.e. ZeRO-1 with the same wrapper) and ``max_inflight_bytes``: at most
     this many bytes of gradients owned by other ranks wait for their reduce
@@ -88,8 +90,14 @@ class ShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, sharded_optimizer: OSS | list[OSS],
                  process_group: ProcessGroup | None = None, broadcast_buffers: bool = True,
                  sync_models_at_startup: bool = True, shard_gradients: bool = True,
-                 max_inflight_bytes: int = 2**22):
+                 max_inflight_bytes: int = 2**22, reduce_buffer_size: int = 0, auto_refresh_trainable: bool = True,
+                 reduce_fp16: bool = False, warn_on_trainable_params_changed: bool = True):
         super().__init__()
+        if reduce_fp16:
+            raise NotImplementedError("ShardedDataParallel(reduce_fp16=True) is not implemented; leave it False "
+                                      "(gradients are reduced in their own dtype)")
+        # FairScale's bucketing of small gradients and trainability tracking: accepted, no effect here.
+        del reduce_buffer_size, auto_refresh_trainable, warn_on_trainable_params_changed
         optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
         if not optimizers or not all(isinstance(o, OSS) for o in optimizers):
             raise TypeError("ShardedDataParallel needs the OSS optimizer(s) that own the parameters: "
