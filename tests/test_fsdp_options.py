@@ -77,7 +77,7 @@ def _last(spans, name, unit):
 
 
 @pytest.mark.parametrize("prefetch", ["BACKWARD_PRE", "BACKWARD_POST", None])
-def test_backward_prefetch_moves_the_next_all_gather(prefetch, fp32_losses):
+def test_backward_prefetch_moves_the_next_all_gather(prefetch):
     bp = BackwardPrefetch[prefetch] if prefetch else None
     losses, spans = launch(_prefetch_trace, 2, bp, False, timeout=120)[0]
     # Backward runs blocks.2, blocks.1, blocks.0: when does blocks.1's backward all-gather start?
@@ -94,8 +94,8 @@ def test_backward_prefetch_moves_the_next_all_gather(prefetch, fp32_losses):
     # every collective names its unit; every unit is freed after use
     assert all(s[3] for s in spans if s[1] == "comm")
     assert {s[3] for s in spans if s[0].startswith("reshard")} >= {"blocks.0", "blocks.1", "blocks.2", "root"}
-    # prefetch never changes the numbers (loss of a 3-layer GPT: compare with itself across options)
-    assert len(losses) == 2
+    # prefetching changes when parameters arrive, never the numbers
+    torch.testing.assert_close(losses, _train(_gpt(n_layer=3), 2), atol=ATOL, rtol=RTOL)
 
 
 def test_forward_prefetch_gathers_the_next_unit_early():
