@@ -367,6 +367,14 @@ for rank, rank_runs in enumerate(bucket_runs):
           f"of it during backward ({rep['backward_ms']:.0f} ms); exposed wait after backward: {rep['wait_ms']:.1f} ms")
 
 # %% [markdown]
+# Two things to read in those numbers. The bucket all-reduces start during backward and
+# are in flight while it computes: that is the overlap. And an all-reduce can only finish
+# once **every** rank has contributed its bucket: a rank whose backward ends first sits
+# in `ddp.wait` until the slower rank catches up. Part of the exposed wait is therefore
+# not the network but imbalance between the ranks (on this shared 2-core machine the two
+# processes rarely run at the same speed; compare the two ranks' backward times).
+
+# %% [markdown]
 # And the bucket size, measured: messages per step, median step time, median backward
 # time (which includes the naive version's blocking all-reduces), and DDP's exposed wait.
 # Medians over the timed steps of rank 0; this machine is shared, so expect noise of
@@ -414,8 +422,9 @@ ax.grid(alpha=0.3)
 # and blocks backward each time; one huge bucket cannot start before the *whole*
 # backward is done, so nothing overlaps (its `ddp.wait` is the whole all-reduce). A
 # middle size starts sending early and sends few messages. PyTorch's default is 25 MiB
-# with a smaller 1 MiB first bucket, tuned for GPU networks; on a 2-core CPU the compute
-# and the gloo threads compete for the same cores, so the gains here are smaller than on GPUs.
+# with a smaller 1 MiB first bucket, tuned for GPU networks. On a 2-core CPU the compute
+# and the gloo threads compete for the same cores, so differences here are modest and
+# noisy: run the training cell again and see how much the table moves.
 #
 # ## 3. Gradient accumulation and `no_sync()`
 #
@@ -504,10 +513,17 @@ for world in (2, 4):
     print(f"{world} ranks: one all-reduce ({moved:,} B = 2 Psi) for {ACCUM} micro-batches; gradients = single process")
 
 # %% [markdown]
-# What goes wrong with the other ways of writing the loop? Four loops on 2 ranks, with
-# the all-reduce bytes the tracer counted in each micro-step:
+# What goes wrong with the other ways of writing the loop? Four loops on 2 ranks, each run
+# with `minifsdp`'s DDP and with PyTorch's. For ours, the tracer counts the all-reduce
+# bytes of each micro-step; PyTorch's DDP does not go through `comm`, so we count its
+# bytes with a **communication hook** (`register_comm_hook`, the official way to see or
+# replace what DDP sends): the hook sees each bucket, records its size, and calls
+# PyTorch's default all-reduce hook. Bytes are in the ZeRO paper's units for both (2x the bucket).
 
 # %%
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
 VARIANTS = {
     "no no_sync (sync every micro-batch)": "none",
     "forward+backward in no_sync (right)": "both",
@@ -516,27 +532,45 @@ VARIANTS = {
 }
 
 
+def counting_allreduce_hook(sizes, bucket):
+    """A DDP comm hook: note the bucket's bytes, then all-reduce and average as torch's default does."""
+    sizes.append(bucket.buffer().numel() * bucket.buffer().element_size())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
 def accumulate(variant, accum, batch, seq_len):
-    """One step of `accum` micro-batches with DDP; `variant` says what runs inside no_sync()."""
+    """One step of `accum` micro-batches, for both DDPs; `variant` says what runs inside no_sync()."""
     rank, world = dist.rank(), dist.world_size()
-    model = DistributedDataParallel(models.build_model("gpt-tiny", seed=0).to(dist.device()))
-    with trace.Tracer() as tracer:
-        for m in range(accum):
-            x, y = data.get_batch(0, batch, seq_len, rank=rank, world_size=world, micro_step=m, grad_accum=accum)
-            x, y = x.to(dist.device()), y.to(dist.device())
-            last = m == accum - 1
-            forward_inside = (variant == "both" and not last) or variant == "forward"   # "forward": every one
-            backward_inside = variant in ("both", "backward") and not last
-            with trace.span("micro", micro=m):
-                with model.no_sync() if forward_inside else contextlib.nullcontext():
-                    loss = models.lm_loss(model(x), y) / accum
-                with model.no_sync() if backward_inside else contextlib.nullcontext():
-                    loss.backward()
-    per_micro = []
-    for s in (s for s in tracer.trace.spans if s.name == "micro"):
-        per_micro.append(sum(c.args["bytes"] for c in tracer.trace.comm_spans()
-                             if c.name == "all_reduce" and s.start <= c.start <= s.end))
-    return {"bytes": per_micro, "grads": {n: p.grad.cpu() for n, p in model.module.named_parameters()}}
+    out = {}
+    for impl in ("minifsdp", "torch"):
+        module = models.build_model("gpt-tiny", seed=0).to(dist.device())
+        bucket_sizes = []   # torch: filled by the comm hook
+        if impl == "torch":
+            model = TorchDDP(module)
+            model.register_comm_hook(bucket_sizes, counting_allreduce_hook)
+        else:
+            model = DistributedDataParallel(module)
+        per_micro = []
+        with trace.Tracer() as tracer:
+            for m in range(accum):
+                x, y = data.get_batch(0, batch, seq_len, rank=rank, world_size=world, micro_step=m, grad_accum=accum)
+                x, y = x.to(dist.device()), y.to(dist.device())
+                last = m == accum - 1
+                forward_inside = (variant == "both" and not last) or variant == "forward"   # "forward": every one
+                backward_inside = variant in ("both", "backward") and not last
+                seen = len(bucket_sizes)
+                with trace.span("micro", micro=m) as span:
+                    with model.no_sync() if forward_inside else contextlib.nullcontext():
+                        loss = models.lm_loss(model(x), y) / accum
+                    with model.no_sync() if backward_inside else contextlib.nullcontext():
+                        loss.backward()
+                if impl == "torch":     # the buckets the hook saw in this micro-step
+                    per_micro.append(2 * sum(bucket_sizes[seen:]))
+                else:                   # the all-reduces the tracer saw start inside this micro-step
+                    per_micro.append(sum(c.args["bytes"] for c in tracer.trace.comm_spans()
+                                         if c.name == "all_reduce" and span.start <= c.start <= span.end))
+        out[impl] = {"bytes": per_micro, "grads": {n: p.grad.cpu() for n, p in module.named_parameters()}}
+    return out
 
 
 accum_runs = {name: launch(accumulate, 2, v, ACCUM, ACC_BATCH, SEQ, timeout=120) for name, v in VARIANTS.items()}
@@ -547,12 +581,16 @@ def same(a, b):
     return all(torch.allclose(a[n], b[n], atol=GRAD_ATOL, rtol=GRAD_RTOL) for n in a)
 
 
-print(f"2 ranks, {ACCUM} micro-batches; Psi = {psi:,} B, so one all-reduce of every gradient moves 2 Psi = {2 * psi:,} B")
-print(f"{'loop':<38} {'all-reduce bytes per micro-step (rank 0)':<44} {'= 1 process?':>13} {'ranks agree?':>13}")
+KiB = 1024
+print(f"2 ranks, {ACCUM} micro-batches. Psi = {psi:,} B = {psi / KiB:.1f} KiB: one all-reduce of every gradient "
+      f"moves 2 Psi = {2 * psi / KiB:.1f} KiB")
+print(f"{'loop':<37} {'impl':<8} {'all-reduce KiB per micro-step':<30} {'= 1 process?':>12} {'ranks agree?':>12}")
 for name, res in accum_runs.items():
-    per_micro = res[0]["bytes"]
-    print(f"{name:<38} {str(per_micro):<44} {str(same(res[0]['grads'], acc_ref_grads)):>13} "
-          f"{str(same(res[0]['grads'], res[1]['grads'])):>13}")
+    for impl in ("minifsdp", "torch"):
+        mine, other = res[0][impl], res[1][impl]
+        kib = "[" + ", ".join(f"{b / KiB:.1f}" for b in mine["bytes"]) + "]"
+        print(f"{name if impl == 'minifsdp' else '':<37} {impl:<8} {kib:<30} "
+              f"{str(same(mine['grads'], acc_ref_grads)):>12} {str(same(mine['grads'], other['grads'])):>12}")
 
 # %% [markdown]
 # * Syncing every micro-batch is *correct* (the result equals one process) but moves
@@ -563,7 +601,10 @@ for name, res in accum_runs.items():
 #   micro-batch pays 2Ψ anyway. Nothing is wrong with the numbers; the step is just slow.
 # * The last forward inside `no_sync()`: no all-reduce ever happens, each rank keeps its
 #   own gradient, and the replicas silently drift apart from the first optimizer step.
-#   Nothing raises: only a gradient or parameter check like the one above catches it.
+#   Nothing raises: only a gradient or parameter check like the ones in this lab catches it.
+#
+# PyTorch's DDP rows match ours line for line: the same bytes in the same micro-steps,
+# and the same gradients.
 #
 # ## 4. Against PyTorch's DDP, through one trainer
 #
@@ -615,7 +656,8 @@ for i, s in enumerate(strategies):
     ax1.plot(range(CMP_STEPS), metrics[s]["losses"], marker="os^v"[i], ms=5, lw=1, alpha=0.8, label=s)
 ax1.set_xlabel("step")
 ax1.set_ylabel("training loss (nats / token)")
-ax1.set_title(f"{CMP_MODEL}: the curves lie on top of each other")
+worst_loss_diff = max(abs(a - b) for s in strategies[1:] for a, b in zip(metrics[s]["losses"], metrics["single"]["losses"]))
+ax1.set_title(f"{CMP_MODEL}: training loss, largest difference to single {worst_loss_diff:.1e}")
 ax1.legend(fontsize=8)
 ax1.grid(alpha=0.3)
 ax2.bar(strategies, [1e3 * metrics[s]["median_step_time_s"][0] for s in strategies], color=["C0", "C3", "C1", "C2"])
