@@ -111,7 +111,7 @@ for stage, name in STAGES.items():
                                                     padding=False)["total"] / GB for n in ns]
     ax_n.plot(ns, totals, "o-", ms=3, label=name)
 ax_n.axhline(80, color="k", ls="--", lw=1)
-ax_n.text(1.2, 85, "80 GB: one accelerator", fontsize=8)
+ax_n.text(2**5, 58, "80 GB: one accelerator", fontsize=8)
 ax_n.set_xscale("log", base=2)
 ax_n.set_yscale("log")
 ax_n.set_xlabel("data-parallel ranks N")
@@ -166,6 +166,7 @@ def zero1_worker(model_name, steps, global_batch, seq_len):
     import torch.distributed as tdist
     from minifsdp import dist
 
+    torch.set_num_threads(1)   # ranks share the cores; more threads per rank only spin
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     model = models.build_model(model_name).to(device)   # same seed everywhere: same start
     params = list(model.parameters())
@@ -276,9 +277,9 @@ def zero1_step(params: list[torch.Tensor], owners: list[int], optimizer: torch.o
 # %%
 # CHECK: greedy_partition on small cases, then ZeRO-1 on 1, 2 and 4 ranks against one process
 def _check_partition(fn) -> None:
-    def lpt(sizes, n):  # the rule, written independently
+    def lpt(sizes, n, order=None):  # the rule, written independently (order: the visiting order)
         load, owners = [0] * n, [0] * len(sizes)
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for i in order or sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
             owners[i] = min(range(n), key=lambda r: (load[r], r))
             load[owners[i]] += sizes[i]
         return owners
@@ -295,7 +296,9 @@ def _check_partition(fn) -> None:
         if got == want:
             continue
         load = lambda owners: sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n))  # noqa: E731
-        if got == [i % n for i in range(len(sizes))]:
+        if got == lpt(sizes, n, order=range(len(sizes))):
+            hint = "you visited the parameters in list order: sort them by size, biggest first"
+        elif got == [i % n for i in range(len(sizes))]:
             hint = "that is round-robin by position; go by size: biggest first, onto the least-loaded rank"
         elif load(got) == load(want):
             hint = ("the loads are right but the ranks differ: break ties the same way on every rank "
@@ -311,7 +314,7 @@ def _check_partition(fn) -> None:
 _check_partition(greedy_partition)
 print("greedy_partition: right on every case")
 
-ex_runs = {n: minifsdp.launch(zero1_worker, n, EX_MODEL, EX_STEPS, EX_B, EX_T, timeout=120) for n in (1, 2, 4)}
+ex_runs = {n: minifsdp.launch(zero1_worker, n, EX_MODEL, EX_STEPS, EX_B, EX_T, timeout=60) for n in (1, 2, 4)}
 full_state, psi_bytes = reference["state_bytes"], FP32 * reference["n_params"]
 for n, results in ex_runs.items():
     states = [r["state_bytes"] for r in results]
@@ -399,6 +402,7 @@ def zero_stage_worker(model_name, steps, global_batch, seq_len, stages):
     import torch.distributed as tdist
     from minifsdp import dist
 
+    torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     out = {}
     for stage in stages:
@@ -509,6 +513,7 @@ def model_state_worker(model_name, steps, global_batch, seq_len, strategies):
             books = again
         return books
 
+    torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     out = {}
     for strategy in strategies:
@@ -605,14 +610,14 @@ for ax, strategy in zip(axes, STRATEGIES):
         measured = [mem_table[strategy, n][0][cat] / MiB for n in (1, 2, 4)]
         formula = [mem_table[strategy, n][1][cat] / MiB for n in (1, 2, 4)]
         ax.bar(xs, measured, width, color=plot.color_for(cat), label=f"{cat} (measured)")
-        ax.hlines(formula, xs - width / 2, xs + width / 2, color="k", lw=1.5,
-                  label="formula" if i == 0 else None)
+        ax.hlines(formula, xs - 0.6 * width, xs + 0.6 * width, color="k", lw=2,
+                  label="formula (estimate)" if i == 0 else None)
     ax.set_xticks(range(3), ["N = 1", "N = 2", "N = 4"])
     ax.set_title({"ddp": "DDP", "zero1": "ZeRO-1 (OSS)", "zero2": "ZeRO-2 (ShardedDataParallel)"}[strategy])
-axes[0].set_ylabel("bytes per rank, largest rank (MiB)")
-axes[0].legend(fontsize=7)
-fig.suptitle(f"{MEM_MODEL} ({psi_mini:,} parameters), fp32 AdamW: model states per rank")
-plt.tight_layout()
+axes[0].set_ylabel("bytes on the largest rank (MiB)")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+fig.suptitle(f"{MEM_MODEL} ({psi_mini:,} parameters), fp32 AdamW: model states per rank, measured")
+plt.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()
 
 # %% [markdown]
@@ -672,17 +677,24 @@ for strategy in STRATEGIES:
 print("1 rank: nothing moves:", {s: mem_runs[1][0][s]["bytes"] for s in STRATEGIES})
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 3.4))
-for i, strategy in enumerate(STRATEGIES):
-    xs = np.arange(2) + (i - 1) * 0.27
-    ax.bar(xs, [comm_table[strategy, n] / MiB for n in (2, 4)], 0.27, label=strategy,
-           color=plot.color_for({"ddp": "all_reduce", "zero1": "broadcast", "zero2": "reduce"}[strategy]))
+fig, ax = plt.subplots(figsize=(8, 3.6))
+OPS = ("all_reduce", "reduce", "broadcast")
+labels, seen = [], set()
+for x, (strategy, n) in enumerate((strat, n) for strat in STRATEGIES for n in (2, 4)):
+    bottom = 0.0
+    for op in OPS:
+        mib = mem_runs[n][0][strategy]["bytes"].get(op, 0) / MiB
+        if mib:   # stacked, one colour per collective, each named once in the legend
+            ax.bar(x, mib, 0.6, bottom=bottom, color=plot.color_for(op), label=None if op in seen else op)
+            seen.add(op)
+            bottom += mib
+    labels.append(f"{strategy}\nN = {n}")
 ax.axhline(2 * psi_mini_bytes / MiB, color="k", ls="--", lw=1)
-ax.text(1.45, 2 * psi_mini_bytes / MiB * 1.03, "2Ψ", fontsize=9)
-ax.set_xticks(range(2), ["N = 2", "N = 4"])
+ax.text(5.4, 2 * psi_mini_bytes / MiB * 1.03, "2Ψ", fontsize=9)
+ax.set_xticks(range(len(labels)), labels)
 ax.set_ylabel("volume per step (MiB)")
-ax.set_title(f"{MEM_MODEL}: bytes moved per training step (paper's volume convention)")
-ax.legend(fontsize=8)
+ax.set_title(f"{MEM_MODEL}: bytes moved per training step, by collective (volume convention)")
+ax.legend(fontsize=8, loc="upper left")
 plt.tight_layout()
 plt.show()
 
@@ -693,6 +705,53 @@ plt.show()
 # `1/N` of the gradient and optimizer memory. What neither can divide is the `4Ψ`
 # of fp32 parameters every rank still holds: lab 04 shards those too (ZeRO-3,
 # FSDP), at the price of gathering them before each use, `3Ψ` per step.
+
+# %% [markdown]
+# ## 5. The same strategies from the trainer
+#
+# `minifsdp.train` runs every strategy with one loop (the model and optimizer come
+# from a registry); from a shell it is
+# `python -m minifsdp.train --strategy zero2 --world-size 2 --model gpt-mini`.
+# It tracks memory over the whole step, so its peak includes what the model states
+# leave out: activations, the optimizer's scratch during `step()`, communication
+# buffers. Two steps of `gpt-mini` on 2 ranks, with the trainer's default AdamW:
+
+# %%
+import tempfile  # noqa: E402
+
+from minifsdp.train import TrainConfig, train  # noqa: E402
+
+t0 = time.perf_counter()
+trained = {}
+for strategy, n in (("single", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2)):
+    with tempfile.TemporaryDirectory() as out:   # metrics.json, trace.json and plots land here
+        trained[strategy] = train(TrainConfig(strategy=strategy, world_size=n, model=MEM_MODEL, steps=2,
+                                              batch_size=MEM_B, seq_len=MEM_T, out=out, quiet=True,
+                                              timeout=120))
+print(f"4 runs of the trainer in {time.perf_counter() - t0:.1f} s")
+
+# %%
+print(f"{'':8}{'losses':>22}{'peak MiB per rank':>20}   at rank 0's peak, MiB")
+for strategy, m in trained.items():
+    at_peak = m["peak_by_category"][0]
+    rest = sum(v for k, v in at_peak.items() if k not in CATS)
+    print(f"{strategy:8}{', '.join(f'{v:.5f}' for v in m['losses']):>22}"
+          f"{', '.join(f'{b / MiB:.1f}' for b in m['peak_bytes']):>20}   "
+          + ", ".join(f"{c} {at_peak[c] / MiB:.1f}" for c in CATS) + f", the rest {rest / MiB:.1f}")
+    assert max(abs(a - b) for a, b in zip(m["losses"], trained["single"]["losses"])) <= 1e-5, strategy
+for strategy in ("zero1", "zero2"):
+    assert max(trained[strategy]["peak_bytes"]) < min(trained["ddp"]["peak_bytes"]), strategy
+print("every strategy reproduces single's losses (|diff| <= 1e-5); both ZeRO stages peak below DDP")
+rest = {s: sum(v for k, v in m["peak_by_category"][0].items() if k not in CATS) for s, m in trained.items()}
+print(f"DDP's rest minus one process's: {(rest['ddp'] - rest['single']) / MiB:.2f} MiB "
+      f"= {(rest['ddp'] - rest['single']) / psi_mini_bytes:.2f} x the parameter bytes")
+
+# %% [markdown]
+# The peaks tell the same story as the model states, plus what ZeRO does not
+# touch. Where a peak's "optimizer" column exceeds the state itself, that is
+# AdamW's scratch inside `step()`, for the parameters the rank steps, so it shrinks
+# with the shard too. DDP's "rest" is bigger than one process's by the amount the
+# last line printed: its gradient buckets (lab 02), where the all-reduce runs.
 #
 # **Summary.** ZeRO-1 gives each rank the optimizer state of the parameters it owns
 # (a deterministic greedy partition, no communication needed to agree on it) and
