@@ -48,7 +48,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from . import dist, trace
 
 __all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
-           "reduce_scatter", "broadcast", "send", "recv", "isend", "irecv", "barrier",
+           "reduce_scatter", "broadcast", "reduce", "send", "recv", "isend", "irecv", "barrier",
            "Handle", "ReduceOp", "collective_bytes", "pad_to_multiple"]
 
 CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
@@ -190,6 +190,21 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = N
     work = tdist.broadcast(tensor, src=src, group=group, async_op=async_op)
     return _record("broadcast", work, start, tensor.numel() * tensor.element_size(), group, async_op,
                    tensor, src=src)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM,
+           group: ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
+    """Rank ``dst`` (global) ends with the reduction of every rank's ``tensor``; elsewhere it is scratch.
+
+    rank 0 holds [1, 2], rank 1 holds [3, 4]; reduce to dst=1  ->  rank 1 holds [4, 6]
+    (FairScale's ZeRO-2 sends each gradient to its owner this way: volume Ψ.)
+    """
+    dist.require_initialized("comm.reduce")
+    _check_same_everywhere("reduce", tensor.numel(), group)
+    start = time.perf_counter()
+    work = tdist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _record("reduce", work, start, tensor.numel() * tensor.element_size(), group, async_op,
+                   tensor, dst=dst)
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
