@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -86,6 +87,22 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: Proces
         comm.broadcast(flat, src=src, group=group)
         for t, chunk in zip(group_tensors, flat.split([b.numel() for b in as_bytes])):
             t.copy_(chunk.view(t.dtype).view_as(t))
+
+
+def _weak_hook(owner: Any, method: str, *args: Any):
+    """A gradient hook that calls ``owner.method(*args)`` while ``owner`` is alive.
+
+    The hook lives on the parameter, which outlives a wrapper that a notebook
+    replaces (``model = DistributedDataParallel(m)`` run twice): a strong
+    reference would keep the old wrapper alive and all-reducing too.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(param: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            getattr(live, method)(param, *args)
+    return hook
 
 
 def _check_same_model_everywhere(params: list[torch.Tensor], group: ProcessGroup | None, who: str) -> None:
@@ -136,7 +153,7 @@ class NaiveDataParallel(nn.Module):
                 comm.broadcast(t.data, src=_group_src(process_group), group=process_group)
         for p in module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._all_reduce_grad)
+                p.register_post_accumulate_grad_hook(_weak_hook(self, "_all_reduce_grad"))
 
     def _all_reduce_grad(self, param: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
@@ -322,9 +339,12 @@ class DistributedDataParallel(nn.Module):
             self.buckets.append(Bucket(b, [self._names[i] for i in indices], ps, buffer, views))
             for i in indices:
                 self._bucket_of[i] = b
-        self._view_of = {id(p): v for bk in self.buckets for p, v in zip(bk.params, bk.views)}
+        self._views = [None] * len(self._params)  # parameter i's slice of its bucket
+        for bk, indices in zip(self.buckets, layout):
+            for i, v in zip(indices, bk.views):
+                self._views[i] = v
         for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(_weak_hook(self, "_grad_ready", i))
 
         self._armed = False            # set by forward: should the coming backward sync?
         self._locally_used = [False] * len(self._params)   # since the last sync (find_unused only)
@@ -382,13 +402,8 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = old
 
     # -- backward: hooks ---------------------------------------------------------
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            self._grad_ready(i)
-        return hook
-
     @torch.no_grad()
-    def _grad_ready(self, i: int) -> None:
+    def _grad_ready(self, param: torch.Tensor, i: int) -> None:
         if self.find_unused_parameters:
             self._locally_used[i] = True
         if not self._armed:
@@ -403,7 +418,7 @@ class DistributedDataParallel(nn.Module):
         self._ready[i] = True
         bucket = self.buckets[self._bucket_of[i]]
         if self.gradient_as_bucket_view:
-            self._grad_into_view(self._params[i], self._view_of[id(self._params[i])])
+            self._grad_into_view(param, self._views[i])
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
@@ -466,7 +481,7 @@ class DistributedDataParallel(nn.Module):
         if not self.find_unused_parameters:
             return set()
         for i in missing:  # ready now: their slot holds p.grad (from no_sync steps) or zeros
-            p, view = self._params[i], self._view_of[id(self._params[i])]
+            p, view = self._params[i], self._views[i]
             if self.gradient_as_bucket_view:
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)  # do not re-point p.grad yet: it may be unused everywhere
@@ -481,10 +496,9 @@ class DistributedDataParallel(nn.Module):
     def _copy_back(self, globally_unused: set[int]) -> None:
         """Averaged bucket contents -> ``p.grad`` (one fused copy when all grads exist)."""
         dst, src = [], []
-        for i, p in enumerate(self._params):
+        for i, (p, view) in enumerate(zip(self._params, self._views)):
             if i in globally_unused:
                 continue  # torch leaves the .grad of a parameter no rank used untouched
-            view = self._view_of[id(p)]
             if self.gradient_as_bucket_view or p.grad is None:
                 p.grad = view if self.gradient_as_bucket_view else view.clone()
             else:

@@ -197,6 +197,28 @@ def test_ddp_buckets_on_gpt():
     assert all(k.startswith("module.") for k in sd_keys)                # state_dict keys like torch DDP
 
 
+def _rewrap(kind: str):
+    """A notebook cell run twice: the module is wrapped again, the first wrapper dropped."""
+    r = tdist.get_rank()
+    module = build_model("gpt-tiny", seed=0)
+    wrap = (lambda m: NaiveDataParallel(m)) if kind == "naive" else (lambda m: DistributedDataParallel(m))
+    model = wrap(module)
+    model(_batch(0)[0][:2]).sum().backward()   # the first wrapper has been used (and armed)
+    model = wrap(module)
+    module.zero_grad()
+    with trace.Tracer() as tracer:
+        x, y = _batch(1)
+        lm_loss(model(x[r::2]), y[r::2]).backward()
+    psi = sum(p.numel() * 4 for p in module.parameters())
+    return tracer.trace.bytes_by_op().get("all_reduce", 0), psi
+
+
+@pytest.mark.parametrize("kind", ["ddp", "naive"])
+def test_rewrapping_does_not_sync_twice(kind):
+    reduced, psi = launch(_rewrap, 2, kind, timeout=60)[0]
+    assert reduced == 2 * psi  # only the live wrapper all-reduces
+
+
 def _default_layout():
     model = DistributedDataParallel(nn.Sequential(*[nn.Linear(256, 256) for _ in range(10)]))
     return [b.nbytes for b in model.buckets]
