@@ -48,7 +48,8 @@ class BenchConfig:
 def _run(cfg: BenchConfig, strategy: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         tc = TrainConfig(strategy=strategy, world_size=world_size, model=cfg.model, steps=steps,
-                         batch_size=cfg.batch_size, quiet=True, out=tmp, track_memory=track_memory)
+                         batch_size=cfg.batch_size, quiet=True, out=tmp, track_memory=track_memory,
+                         write_plots=False)
         return train(tc)
 
 
@@ -100,8 +101,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         moved = r.get("bytes_per_step", {})
         peak_txt = f"{peak[r['ours']] / mib:.1f} / {peak[r['theirs']] / mib:.1f}" if peak else "-"
         formula = r.get("bytes_formula")
-        moved_txt = (f"{moved[r['ours']] / mib:.2f} / {moved[r['theirs']] / mib:.2f} / "
-                     f"{formula / mib:.2f}" if moved and formula else "-")
+        theirs_moved = f"{moved[r['theirs']] / mib:.2f}" if moved.get(r["theirs"]) else "n/a"  # torch's C++ comm
+        moved_txt = (f"{moved[r['ours']] / mib:.2f} / {theirs_moved} / {formula / mib:.2f}"
+                     if moved and formula else "-")
         lines.append(f"| {r['world_size']} | {r['ours']} | {r['theirs']} | {s[r['ours']] * 1e3:.1f} / "
                      f"{s[r['theirs']] * 1e3:.1f} | {r['step_ratio']:.3f} | {peak_txt} | "
                      f"{r.get('peak_ratio', float('nan')):.3f} | {moved_txt} |")

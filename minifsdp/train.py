@@ -68,6 +68,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/train"
     track_memory: bool = True     # ~1.3x slower on CPU; off for benchmarks
+    write_plots: bool = True      # timeline.png / memory.png (a few seconds)
     timeout: float = 900.0
     quiet: bool = False
     # sharding options (fsdp / zero)
@@ -370,7 +371,8 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
     trace.save_chrome_trace(traces, os.path.join(cfg.out, "trace.json"))
-    _save_plots(cfg, traces)
+    if cfg.write_plots:
+        _save_plots(cfg, traces)
     if not cfg.quiet:
         print(summary_table(metrics))
         print(f"\nwrote {cfg.out}/: metrics.json, trace.json (open in https://ui.perfetto.dev), "
