@@ -378,6 +378,14 @@ class DistributedDataParallel(nn.Module):
         for bk in self.buckets:
             bk.pending, bk.handle = len(bk.params), None
 
+    def _abort(self) -> None:
+        """Before raising: let the collectives already started finish, then forget this backward,
+        so that the wrapper still works after the error is fixed (a notebook keeps it)."""
+        for bk in self.buckets:
+            if bk.handle is not None:
+                bk.handle.wait()
+        self._reset_backward_state()
+
     # -- forward ---------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self._module_buffers and self._world > 1:
@@ -412,6 +420,7 @@ class DistributedDataParallel(nn.Module):
             self._in_backward, self._backward_start = True, time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         if self._ready[i]:
+            self._abort()
             raise RuntimeError(f"DistributedDataParallel: parameter {self._names[i]!r} got its gradient twice in "
                                "one backward (reentrant checkpointing or a second backward through the same "
                                "graph?); use non-reentrant checkpointing (use_reentrant=False)")
@@ -469,9 +478,7 @@ class DistributedDataParallel(nn.Module):
         """Deal with parameters that got no gradient; return those unused on every rank."""
         missing = [i for i, r in enumerate(self._ready) if not r]
         if missing and not self.find_unused_parameters:
-            for bk in self.buckets:  # let the collectives already started finish everywhere
-                if bk.handle is not None:
-                    bk.handle.wait()
+            self._abort()
             names = [self._names[i] for i in missing]
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             raise RuntimeError(f"DistributedDataParallel: parameter(s) {shown} received no gradient in this "

@@ -344,6 +344,31 @@ def test_unused_parameter_error_names_it_and_the_fix():
         launch(_unused, 2, "ddp", False, (0, 1), timeout=60)
 
 
+def _recover_after_unused_error():
+    r = tdist.get_rank()
+    model = _TwoBranch()
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=1e-4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+    try:
+        wrapped(x, False).sum().backward()
+        raise AssertionError("expected the unused-parameter error")
+    except RuntimeError as e:
+        assert "find_unused_parameters=True" in str(e)
+    model.zero_grad()
+    (wrapped(x, True).sum() + model.never(x).sum()).backward()  # fixed: every parameter takes part
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, x
+
+
+def test_wrapper_still_works_after_the_unused_error():
+    (g0, x0), (g1, x1) = launch(_recover_after_unused_error, 2, timeout=60)
+    ref = _TwoBranch()
+    for x in (x0, x1):
+        (ref(x, True).sum() + ref.never(x).sum()).div(2).backward()  # mean over the 2 ranks' losses
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(g0[name], p.grad, atol=1e-6, rtol=1e-5)
+        assert torch.equal(g0[name], g1[name])
+
+
 @pytest.mark.parametrize("use_b_on", [(0, 1), (0,)])
 def test_find_unused_parameters_matches_torch(use_b_on):
     ours = launch(_unused, 2, "ddp", True, use_b_on, timeout=60)
