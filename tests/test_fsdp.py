@@ -343,3 +343,79 @@ def test_memory_by_category_full_shard_vs_shard_grad_op():
     # after the step: only shards are left (parameters exactly the flat shards)
     assert full_live["unsharded_params"] == 0 and full_live.get("unsharded_grads", 0) == 0
     assert full_live["parameters"] == shards == sum(units.values()) // 2
+
+
+# --------------------------------------------------------------------------
+# use_orig_params=True: original parameters as views of the shard, per-parameter groups
+# --------------------------------------------------------------------------
+def _param_groups(model):
+    """Weight decay on matrices only: needs per-parameter groups, which flat shards cannot give."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in trainable if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for _, p in trainable if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def _orig_params_steps(model, opt, steps, first=0):
+    n, r = (tdist.get_world_size(), tdist.get_rank()) if isinstance(model, FSDP) else (1, 0)
+    losses = []
+    for step in range(first, first + steps):
+        x, y = _batch(step)
+        rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
+        loss = F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
+        loss.backward()
+        if isinstance(model, FSDP):
+            model.clip_grad_norm_(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        if isinstance(model, FSDP):
+            tdist.all_reduce(loss)
+        losses.append(loss.item() / n)
+    return losses
+
+
+def _orig_params_run():
+    out = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        torch.manual_seed(0)
+        model = Toy()
+        opt = torch.optim.AdamW(_param_groups(model), lr=1e-2)  # built BEFORE wrapping: still valid
+        model = FSDP(model, use_orig_params=True, sharding_strategy=ShardingStrategy[strategy],
+                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        names = [n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters()]
+        losses = _orig_params_steps(model, opt, 2)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            sd = model.state_dict()
+        kind = StateDictType.SHARDED_STATE_DICT if strategy == "FULL_SHARD" else StateDictType.FULL_STATE_DICT
+        with FSDP.state_dict_type(model, kind):
+            ckpt, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
+        losses += _orig_params_steps(model, opt, 1, first=2)
+        torch.manual_seed(1)  # a fresh, differently initialised model resumes from the checkpoint
+        fresh = FSDP(Toy(), use_orig_params=True, sharding_strategy=ShardingStrategy[strategy],
+                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        fresh_opt = torch.optim.AdamW(_param_groups(fresh), lr=1e-2)
+        with FSDP.state_dict_type(fresh, kind):
+            fresh.load_state_dict(ckpt)
+            fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+        resumed = _orig_params_steps(fresh, fresh_opt, 1, first=2)
+        out[strategy] = (names, losses, resumed, sd)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_use_orig_params_per_parameter_groups_and_resume(n):
+    torch.manual_seed(0)
+    ref = Toy()
+    ref_names = [name for name, _ in ref.named_parameters()]
+    opt = torch.optim.AdamW(_param_groups(ref), lr=1e-2)
+    ref_losses = _orig_params_steps(ref, opt, 2)
+    ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses += _orig_params_steps(ref, opt, 1, first=2)
+    for strategy, (names, losses, resumed, sd) in launch(_orig_params_run, n, timeout=120)[0].items():
+        assert names == ref_names, strategy       # the original parameters, in the original order
+        torch.testing.assert_close(losses, ref_losses, atol=ATOL, rtol=RTOL, msg=strategy)
+        for k, v in ref_sd.items():
+            torch.testing.assert_close(sd[k], v, atol=ATOL, rtol=RTOL, msg=f"{strategy}: {k}")
+        assert resumed == losses[2:], strategy    # resumed from the checkpoint: bit-identical

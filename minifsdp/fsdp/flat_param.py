@@ -33,7 +33,11 @@ What lives where (one ``FlatParamHandle``):
 
 The original ``nn.Parameter`` objects are emptied (their data becomes a
 0-element tensor) and marked, so an optimizer built before wrapping is caught
-(see ``options.install_optimizer_check``).
+(see ``options.install_optimizer_check``). With ``use_orig_params=True``
+they live on instead: at rest each is a 1-D view of *its* elements of the
+shard (``w``: 3 on rank 0, 3 on rank 1, none on ranks 2 and 3 above), its
+``.grad`` a view of the gradient shard; in forward and backward the module
+sees views of ``_full`` as usual.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ from torch.distributed import ProcessGroup
 
 from .. import comm, dist, memory, trace
 
-__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK", "UNSHARDED_PARAMS", "UNSHARDED_GRADS", "label"]
+__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK", "RETIRED_MARK", "UNSHARDED_PARAMS", "UNSHARDED_GRADS", "label"]
 
-FLATTENED_MARK = "_minifsdp_flattened_into"  # set on original parameters once flattened
+FLATTENED_MARK = "_minifsdp_flattened_into"  # on original parameters once flattened: the unit's name
+RETIRED_MARK = "_minifsdp_retired"  # on original parameters FSDP emptied (use_orig_params=False)
 # Memory-tracker categories for FSDP's own buffers (the shards are "parameters" / "gradients").
 UNSHARDED_PARAMS, UNSHARDED_GRADS = "unsharded_params", "unsharded_grads"
 
@@ -97,7 +102,7 @@ class FlatParamHandle:
     def __init__(self, params: list[tuple[str, nn.Module, str, nn.Parameter]], *, unit: str,
                  shard_group: ProcessGroup | None, replicate_group: ProcessGroup | None,
                  device: torch.device, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, offload: bool = False):
+                 reduce_dtype: torch.dtype | None = None, offload: bool = False, use_orig_params: bool = False):
         self.unit = unit
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.shard_size = dist.world_size(shard_group) if shard_group is not None else 1
@@ -131,7 +136,15 @@ class FlatParamHandle:
             self._full.untyped_storage().resize_(0)  # sharded at rest
         self._full.requires_grad_(requires_grad)
         self._pending: tuple[comm.Handle, torch.Tensor] | None = None  # an async all-gather in flight
-        self._retire_originals(unique)
+        # use_orig_params=True keeps the original Parameter objects, as views of their piece of the shard
+        self.orig_params = unique if use_orig_params else None
+        for p in unique:
+            setattr(p, FLATTENED_MARK, self.unit or "root")
+            p.grad = None
+        if self.orig_params is not None:
+            self.use_sharded_views()
+        else:
+            self._retire_originals(unique)
 
     # -- construction --------------------------------------------------------
     @staticmethod
@@ -157,8 +170,33 @@ class FlatParamHandle:
         for info in self.infos:
             info.module._parameters.pop(info.attr, None)
         for p in unique:
-            setattr(p, FLATTENED_MARK, self.unit or "root")
+            setattr(p, RETIRED_MARK, True)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def use_sharded_views(self) -> None:
+        """use_orig_params=True at rest: each original Parameter (and its ``.grad``) is a 1-D view of
+        the elements of the shard that belong to it -- possibly none -- so an optimizer over
+        ``model.parameters()`` (per-parameter groups allowed) updates the shard in place."""
+        for info, p in zip(self.unique_infos, self.orig_params):
+            lo, hi = self._shard_slice(info)
+            p.data = self.flat_param.detach()[lo:hi]  # (its .grad is set where gradients are reduced)
+        for info in self.infos:
+            info.module.__dict__.pop(info.attr, None)
+            info.module._parameters[info.attr] = self.orig_params[self._unique_index(info)]
+
+    def _shard_slice(self, info: ParamInfo) -> tuple[int, int]:
+        start, end = self.local_piece(info)
+        lo = self.shard_rank * self.shard_numel - info.offset
+        return start - lo, end - lo
+
+    def _unique_index(self, info: ParamInfo) -> int:
+        first = self.infos[info.shared_with] if info.shared_with is not None else info
+        return self.unique_infos.index(first)
+
+    @property
+    def sharded_params(self) -> list[nn.Parameter]:
+        """What the optimizer sees: the flat shard, or the original parameters viewing it."""
+        return self.orig_params if self.orig_params is not None else [self.flat_param]
 
     @property
     def unique_infos(self) -> list[ParamInfo]:
@@ -219,17 +257,19 @@ class FlatParamHandle:
 
     def reshard(self) -> None:
         """Free the unsharded flat tensor (the ``storage.resize_(0)`` trick); the shard stays."""
-        if self.aliased or not self.is_unsharded():
-            return
-        self.wait()
-        nbytes = self._full.untyped_storage().nbytes()
-        with trace.span(f"reshard {self.unit or 'root'}", unit=self.unit, bytes=nbytes):
-            self._full.untyped_storage().resize_(0)
+        if not self.aliased and self.is_unsharded():
+            self.wait()
+            nbytes = self._full.untyped_storage().nbytes()
+            with trace.span(f"reshard {self.unit or 'root'}", unit=self.unit, bytes=nbytes):
+                self._full.untyped_storage().resize_(0)
+        if self.orig_params is not None:
+            self.use_sharded_views()
 
     def use_unsharded_views(self) -> None:
         """Point the modules' attributes at views of ``_full`` (recorded by autograd in forward)."""
         views = self.unflatten(self._full)
         for info, view in zip(self.infos, views):
+            info.module._parameters.pop(info.attr, None)  # use_orig_params: the Parameter steps aside
             setattr(info.module, info.attr, views[info.shared_with] if info.shared_with is not None else view)
 
     # -- full copies for summon_full_params and state dicts ---------------------
@@ -255,8 +295,11 @@ class FlatParamHandle:
             info.module._parameters[info.attr] = p
 
     def hide_params(self) -> None:
+        """Back to rest after ``expose_params``: nothing (flat) or the sharded views (use_orig_params)."""
         for info in self.infos:
             info.module._parameters.pop(info.attr, None)
+        if self.orig_params is not None:
+            self.use_sharded_views()
 
     def write_shard(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of ``full`` back into the shard (summon's writeback, loading)."""
@@ -297,9 +340,15 @@ class FlatParamHandle:
                 tag(second, self.unit)
                 second.wait()
             reduced = out.to(self.flat_param.device, self.flat_param.dtype)
+            if self.orig_params is not None and all(p.grad is None for p in self.orig_params):
+                self.flat_param.grad = None  # optimizer.zero_grad() cleared the views: start afresh
             if self.flat_param.grad is None:
                 self.flat_param.grad = reduced
             else:  # accumulating over micro-batches without no_sync()
                 self.flat_param.grad += reduced
             label(self.flat_param.grad, memory.GRADIENTS)
+            if self.orig_params is not None:
+                for info, p in zip(self.unique_infos, self.orig_params):
+                    lo, hi = self._shard_slice(info)
+                    p.grad = self.flat_param.grad[lo:hi]
         return finish

@@ -37,7 +37,7 @@ def clip_grad_norm_(model: FSDP, max_norm: float, norm_type: float = 2.0) -> tor
     ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
     """
     norm_type, inf = float(norm_type), float(norm_type) == math.inf
-    flat = {id(h.flat_param) for u in model.modules() if isinstance(u, FSDP) for h in u._handles}
+    flat = {id(p) for u in model.modules() if isinstance(u, FSDP) for h in u._handles for p in h.sharded_params}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dev = model.compute_device
 
@@ -93,4 +93,5 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             h.hide_params()
         for u in units:
             for h in u._handles:
-                u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param
+                if h.orig_params is None:
+                    u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param

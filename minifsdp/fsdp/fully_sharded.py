@@ -71,7 +71,10 @@ class FullyShardedDataParallel(nn.Module):
     * ``mixed_precision`` (``api.MixedPrecision``, or True = bf16), ``cpu_offload``.
     * ``device_id``: compute device (default ``dist.device()``); ``sync_module_states``:
       broadcast rank 0's parameters and buffers before sharding.
-    * Not implemented: ``use_orig_params=True``, ``param_init_fn``.
+    * ``use_orig_params``: False (default): ``model.parameters()`` yields one flat
+      shard per unit. True: the original parameters, each a 1-D view of its
+      piece of the shard (per-parameter optimizer groups work).
+    * Not implemented: ``param_init_fn`` (build the model on a real device first).
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
@@ -87,9 +90,9 @@ class FullyShardedDataParallel(nn.Module):
         dist.require_initialized("FullyShardedDataParallel")
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
-        if use_orig_params or param_init_fn is not None:
-            raise NotImplementedError("minifsdp implements use_orig_params=False without param_init_fn; "
-                                      "drop those arguments (build the model on a real device first)")
+        if param_init_fn is not None:
+            raise NotImplementedError("minifsdp has no deferred initialization (param_init_fn); build the "
+                                      "model on a real device, then wrap it")
         install_optimizer_check()
         strategy = resolve_strategy(sharding_strategy or ShardingStrategy.FULL_SHARD, reshard_after_forward)
         mp = resolve_mixed_precision(mixed_precision)
@@ -112,7 +115,8 @@ class FullyShardedDataParallel(nn.Module):
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
                           ignored_modules=ignored_modules, device_id=device_id,
                           sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
-                          limit_all_gathers=limit_all_gathers, reshard_after_forward=reshard_after_forward)
+                          limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
+                          reshard_after_forward=reshard_after_forward)
             _recursive_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored, only_wrap_children=True,
                             **kwargs)
         self._fsdp_wrapped_module = module
@@ -128,8 +132,9 @@ class FullyShardedDataParallel(nn.Module):
                                          replicate_group=self._replicate_group, device=self.compute_device,
                                          param_dtype=mp.param_dtype if mp else None,
                                          reduce_dtype=mp.reduce_dtype if mp else None,
-                                         offload=self.cpu_offload.offload_params)
-                self.register_parameter(attr, handle.flat_param)
+                                         offload=self.cpu_offload.offload_params, use_orig_params=use_orig_params)
+                if not use_orig_params:  # else the original parameters stay registered, as shard views
+                    self.register_parameter(attr, handle.flat_param)
                 if requires_grad:
                     handle._full.register_post_accumulate_grad_hook(lambda _, h=handle: self._post_backward(h))
                 self._handles.append(handle)

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .. import dist
 from .api import MixedPrecision, ShardingStrategy
-from .flat_param import FLATTENED_MARK
+from .flat_param import FLATTENED_MARK, RETIRED_MARK
 
 __all__ = ["clean_name", "managed_params", "managed_buffers", "resolve_strategy", "resolve_mixed_precision",
            "groups", "init_hybrid_groups", "install_optimizer_check", "all_ranks_enter", "WRAPPED", "HYBRID",
@@ -157,7 +157,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     """An optimizer built *before* wrapping holds the original parameters, which FSDP emptied."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.numel() == 0 and hasattr(p, FLATTENED_MARK):
+            if p.numel() == 0 and getattr(p, RETIRED_MARK, False):
                 raise RuntimeError(f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
                                    "flattened into shards (it was built before wrapping); build it after: "
                                    "optim = torch.optim.AdamW(fsdp_model.parameters())")

@@ -92,12 +92,17 @@ def _key(prefix: str, fqn: str) -> str:
 
 
 @contextlib.contextmanager
-def _plain(model: nn.Module) -> Iterator[None]:
-    """Flat shards hidden, child units acting as plain modules: ``nn.Module.state_dict`` then
-    yields exactly the buffers and the unmanaged (ignored) parameters."""
+def _plain(model: nn.Module, hide_orig: bool = True) -> Iterator[None]:
+    """Flat shards (and the sharded original parameters of use_orig_params) hidden, child units
+    acting as plain modules: ``nn.Module.state_dict`` then yields exactly the buffers and the
+    unmanaged (ignored) parameters -- or, inside summon_full_params, the full parameters too."""
     global _nested
     hidden = [(u, n, u._parameters.pop(n)) for _, u in _units(model) for n in ("_flat_param", "_flat_param_frozen")
               if n in u._parameters]
+    orig = [h for _, u in _units(model) for h in u._handles if h.orig_params is not None and hide_orig]
+    for h in orig:
+        for info in h.infos:
+            info.module._parameters.pop(info.attr, None)
     _nested = True
     try:
         yield
@@ -105,6 +110,8 @@ def _plain(model: nn.Module) -> Iterator[None]:
         _nested = False
         for u, n, p in hidden:
             u._parameters[n] = p
+        for h in orig:
+            h.use_sharded_views()
 
 
 def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
@@ -134,7 +141,8 @@ def _clean_state_dict(model: nn.Module) -> dict[str, Any]:
     kind, cfg, _ = _settings(model)
     if kind == StateDictType.FULL_STATE_DICT:
         all_ranks_enter("state_dict", model)
-        with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), _plain(model):
+        with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), \
+                _plain(model, hide_orig=False):  # summon put the full parameters in their place
             raw = nn.Module.state_dict(model)
         out = {clean_name(k): v.detach().clone() for k, v in raw.items()}
         _restore_buffer_dtypes(model, out)
@@ -215,11 +223,36 @@ def _shard_from_pieces(h: Any, pieces: list[FlatShard]) -> torch.Tensor:
 # --------------------------------------------------------------------------
 # Optimizer state dict
 # --------------------------------------------------------------------------
-def _names_of_params(model: nn.Module) -> tuple[dict[int, Any], dict[int, str]]:
-    """id(flat shard) -> (handle, unit prefix); id(other parameter) -> its clean name."""
-    flat = {id(h.flat_param): (h, prefix) for prefix, u in _units(model) for h in u._handles}
-    names = {id(p): clean_name(n) for n, p in model.named_parameters() if id(p) not in flat}
-    return flat, names
+def _owners(model: nn.Module) -> tuple[dict[int, Any], dict[int, str]]:
+    """id(optimizer parameter) -> (handle, unit prefix, which unique param or None for the flat shard);
+    id(parameter FSDP does not manage) -> its clean name."""
+    owners: dict[int, Any] = {}
+    for prefix, u in _units(model):
+        for h in u._handles:
+            if h.orig_params is None:
+                owners[id(h.flat_param)] = (h, prefix, None)
+            else:
+                owners.update({id(p): (h, prefix, j) for j, p in enumerate(h.orig_params)})
+    names = {id(p): clean_name(n) for n, p in model.named_parameters() if id(p) not in owners}
+    return owners, names
+
+
+def _flat_layout(h: Any, states: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """A handle's optimizer state in the flat shard's layout. With use_orig_params the optimizer
+    holds one state per original parameter (1-D, its piece of the shard): concatenate the pieces."""
+    if None in states:
+        return states[None]
+    per = [states.get(j, {}) for j in range(len(h.unique_infos))]
+    out: dict[str, Any] = {}
+    for k, v0 in next((st for st in per if st), {}).items():
+        if torch.is_tensor(v0) and v0.dim() > 0:
+            pieces = [st[k] if k in st else v0.new_zeros(e - s)
+                      for st, (s, e) in zip(per, map(h._shard_slice, h.unique_infos))]
+            flat = torch.cat(pieces)
+            out[k] = torch.cat([flat, flat.new_zeros(h.shard_numel - flat.numel())])
+        else:
+            out[k] = v0
+    return out
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
@@ -230,35 +263,38 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     full = kind != StateDictType.SHARDED_STATE_DICT
     if full:
         all_ranks_enter("optim_state_dict", model)
-    flat, names = _names_of_params(model)
+    owners, names = _owners(model)
     params = [p for g in optim.param_groups for p in g["params"]]
     state: dict[str, Any] = {}
     fqns_of: dict[int, list[str]] = {}
+    handles: dict[int, Any] = {}  # id(handle) -> (handle, prefix, {which: state})
     for idx, p in enumerate(params):
-        if id(p) not in flat:
+        if id(p) not in owners:
             fqns_of[idx] = [names[id(p)]]
             if idx in osd["state"]:
                 state[names[id(p)]] = osd["state"][idx]
             continue
-        h, prefix = flat[id(p)]
-        infos = h.unique_infos
+        h, prefix, which = owners[id(p)]
+        infos = h.unique_infos if which is None else [h.unique_infos[which]]
         fqns_of[idx] = [_key(prefix, i.fqn) for i in infos]
-        per: dict[str, dict[str, Any]] = {f: {} for f in fqns_of[idx]}
-        for k, v in osd["state"].get(idx, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape == h.flat_param.shape:  # sharded like the parameter
+        handles.setdefault(id(h), (h, prefix, {}))[2][which] = osd["state"].get(idx, {})
+    for h, prefix, states in handles.values():
+        fqns = [_key(prefix, i.fqn) for i in h.unique_infos]
+        per: dict[str, dict[str, Any]] = {f: {} for f in fqns}
+        for k, v in _flat_layout(h, states).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == (h.shard_numel,):  # sharded like the parameter
                 if full:
                     views = h.unflatten(h.gather_full(v, dtype=v.dtype))
-                    for f, i in zip(fqns_of[idx], infos):
+                    for f, i in zip(fqns, h.unique_infos):
                         per[f][k] = views[h.infos.index(i)].detach().cpu().clone()
                 else:
-                    lo = h.shard_rank * h.shard_numel
-                    for f, i in zip(fqns_of[idx], infos):
-                        s, e = h.local_piece(i)
-                        per[f][k] = FlatShard(v[i.offset + s - lo:i.offset + e - lo].detach().clone(), s, i.shape)
+                    for f, i in zip(fqns, h.unique_infos):
+                        lo, hi = h._shard_slice(i)
+                        per[f][k] = FlatShard(v[lo:hi].detach().clone(), h.local_piece(i)[0], i.shape)
             else:  # step counters and other scalars: every original parameter gets a copy
                 for f in per:
                     per[f][k] = v.clone() if torch.is_tensor(v) else v
-        state.update({f: s for f, s in per.items() if s})
+        state.update({f: st for f, st in per.items() if st})
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [f for i in g["params"] for f in fqns_of[i]]} for g in osd["param_groups"]]
     if full and isinstance(ocfg, FullOptimStateDictConfig) and ocfg.rank0_only and dist.rank() != 0:
@@ -268,34 +304,27 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
     """Turn a (full or sharded) name-keyed optimizer state dict back into ``optim.load_state_dict``'s format."""
-    flat, names = _names_of_params(model)
+    owners, names = _owners(model)
     params = [p for g in optim.param_groups for p in g["params"]]
     state: dict[int, Any] = {}
+    shards: dict[int, dict[str, Any] | None] = {}  # id(handle) -> its state in the flat shard's layout
     for idx, p in enumerate(params):
-        if id(p) not in flat:
+        if id(p) not in owners:
             if names[id(p)] in osd["state"]:
                 state[idx] = osd["state"][names[id(p)]]
             continue
-        h, prefix = flat[id(p)]
-        infos = h.unique_infos
-        saved = [osd["state"].get(_key(prefix, i.fqn)) for i in infos]
-        if all(s is None for s in saved):
+        h, prefix, which = owners[id(p)]
+        if id(h) not in shards:
+            shards[id(h)] = _load_flat_layout(h, prefix, osd)
+        flat_state = shards[id(h)]
+        if flat_state is None:
             continue
-        absent = [_key(prefix, i.fqn) for i, s in zip(infos, saved) if s is None]
-        if absent:
-            raise RuntimeError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} "
-                               "(saved from another model?)")
-        new: dict[str, Any] = {}
-        for k, v0 in saved[0].items():
-            values = [s[k] for s in saved]
-            if isinstance(v0, FlatShard):
-                new[k] = _shard_from_pieces(h, values)
-            elif torch.is_tensor(v0) and k != "step" and v0.shape == infos[0].shape:
-                full = h.flatten([v.to(h.device, h.flat_param.dtype) for v in values])
-                new[k] = h.shard_of(full).clone().to(h.flat_param.device)
-            else:
-                new[k] = v0.clone() if torch.is_tensor(v0) else v0
-        state[idx] = new
+        if which is None:
+            state[idx] = flat_state
+        else:  # use_orig_params: this parameter's piece of each sharded state
+            lo, hi = h._shard_slice(h.unique_infos[which])
+            state[idx] = {k: v[lo:hi].clone() if torch.is_tensor(v) and v.dim() > 0 else v
+                          for k, v in flat_state.items()}
     if len(osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(f"optim_state_dict_to_load: checkpoint has {len(osd['param_groups'])} parameter groups, "
                          f"the optimizer {len(optim.param_groups)}")
@@ -305,3 +334,26 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
                        "params": list(range(start, start + len(group["params"])))})
         start += len(group["params"])
     return {"state": state, "param_groups": groups}
+
+
+def _load_flat_layout(h: Any, prefix: str, osd: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved per-name states of a handle's parameters, cut to this rank's flat shard."""
+    infos = h.unique_infos
+    saved = [osd["state"].get(_key(prefix, i.fqn)) for i in infos]
+    if all(s is None for s in saved):
+        return None
+    absent = [_key(prefix, i.fqn) for i, s in zip(infos, saved) if s is None]
+    if absent:
+        raise RuntimeError(f"optim_state_dict_to_load: no optimizer state for {absent[:6]} "
+                           "(saved from another model?)")
+    new: dict[str, Any] = {}
+    for k, v0 in saved[0].items():
+        values = [s[k] for s in saved]
+        if isinstance(v0, FlatShard):
+            new[k] = _shard_from_pieces(h, values)
+        elif torch.is_tensor(v0) and k != "step" and v0.shape == infos[0].shape:
+            full = h.flatten([v.to(h.device, h.flat_param.dtype) for v in values])
+            new[k] = h.shard_of(full).clone().to(h.flat_param.device)
+        else:
+            new[k] = v0.clone() if torch.is_tensor(v0) else v0
+    return new
