@@ -52,7 +52,8 @@ from torch.distributed import ProcessGroup
 
 from .. import comm, dist, memory, trace
 
-__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK", "RETIRED_MARK", "UNSHARDED_PARAMS", "UNSHARDED_GRADS", "label"]
+__all__ = ["FlatParamHandle", "ParamInfo", "FLATTENED_MARK", "RETIRED_MARK", "UNSHARDED_PARAMS", "UNSHARDED_GRADS",
+           "label"]
 
 FLATTENED_MARK = "_minifsdp_flattened_into"  # on original parameters once flattened: the unit's name
 RETIRED_MARK = "_minifsdp_retired"  # on original parameters FSDP emptied (use_orig_params=False)
