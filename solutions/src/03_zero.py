@@ -14,16 +14,19 @@
 # | stage | each rank keeps | FairScale / PyTorch name |
 # |---|---|---|
 # | ZeRO-1 | the optimizer state of the parameters it *owns* | `fairscale.optim.OSS`, `torch.distributed.optim.ZeroRedundancyOptimizer` |
-# | ZeRO-2 | ... and only the gradients of those parameters | `fairscale.nn.ShardedDataParallel`, FSDP `SHARD_GRAD_OP` |
+# | ZeRO-2 | ... and only the gradients of those parameters | `fairscale.nn.data_parallel.ShardedDataParallel`, FSDP `SHARD_GRAD_OP` |
 # | ZeRO-3 | ... and only its shard of the parameters | FSDP `FULL_SHARD` (lab 04) |
 #
 # **Sections**: 1. the paper's picture: model-state bytes per device, from the
 # formulas in `minifsdp.estimate`; 2. exercise: shard the optimizer yourself
 # (ZeRO-1), checked against one process; 3. ZeRO-2 with `minifsdp.zero`: gradients
 # go to their owner only; 4. measured: memory per rank and bytes moved per step at
-# 1, 2 and 4 ranks, next to the formulas.
+# 1, 2 and 4 ranks, next to the formulas; 5. the same strategies from the trainer.
 #
-# Everything runs on the CPU (gloo) in about a minute; the same code runs on GPUs.
+# Everything runs on the CPU (gloo) in under a minute (the last cell prints the
+# time). The workers are device-agnostic (`dist.device()`): on a GPU machine they
+# run on NCCL, except section 4's, which stay on the CPU so the books are exact to
+# the byte (the CUDA allocator rounds blocks up to 512 B).
 
 # %%
 import inspect
@@ -35,7 +38,6 @@ import torch
 
 import minifsdp
 from minifsdp import comm, data, estimate, models, plot, trace
-from minifsdp.estimate import format_bytes
 
 # Small tensors: one compute thread per process is as fast, and several processes
 # share the cores without OpenMP threads spinning against each other.
@@ -393,9 +395,10 @@ print(without_docstring(OSS.step))
 # gradient, yet its optimizer reads only the ones it owns. ZeRO-2 sends each
 # gradient where it is needed: as soon as backward has produced it, a `reduce`
 # sums it onto its owner (`Ψ` bytes in all instead of the all-reduce's `2Ψ`), and
-# the other ranks drop their copy right away, *during* backward, so gradient
-# memory never climbs back to `Ψ`. That is FairScale's `ShardedDataParallel`, in
-# `minifsdp.zero.ShardedDataParallel`; its gradient hook:
+# the other ranks drop their copy as soon as its reduce is done, *during* backward:
+# a rank holds its own shard of gradients plus a bounded amount in flight
+# (`max_inflight_bytes`), not all of `Ψ`. That is FairScale's
+# `ShardedDataParallel`, in `minifsdp.zero.ShardedDataParallel`; its gradient hook:
 
 # %%
 print(inspect.getsource(ShardedDataParallel._on_grad_ready))
@@ -419,21 +422,20 @@ def zero_stage_worker(model_name, steps, global_batch, seq_len, stages):
         module = models.build_model(model_name).to(device)
         model, opt = wrap_zero(module, stage, lr=LR, weight_decay=WD, eps=EPS)
         params = list(module.parameters())
-        tracer, losses = trace.Tracer(rank=rank), []
-        with tracer:
-            for step in range(steps):
-                x, y = data.get_batch(step, global_batch, seq_len, rank=rank, world_size=n)
-                with trace.span("step"):
-                    loss = models.lm_loss(model(x.to(device)), y.to(device))
-                    loss.backward()
-                    held = [p.grad is not None for p in params]
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                total = loss.detach().reshape(1).clone()
-                tdist.all_reduce(total)
-                losses.append(total.item() / n)
+        losses = []
+        for step in range(steps):
+            x, y = data.get_batch(step, global_batch, seq_len, rank=rank, world_size=n)
+            with trace.Tracer(rank=rank) as tracer, trace.span("step"):   # one trace per step; keep the last
+                loss = models.lm_loss(model(x.to(device)), y.to(device))
+                loss.backward()
+                held = [p.grad is not None for p in params]
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            total = loss.detach().reshape(1).clone()
+            tdist.all_reduce(total)
+            losses.append(total.item() / n)
         out[stage] = {"held": held, "owners": [opt.param_to_rank[p] for p in params], "losses": losses,
-                      "bytes": {op: b // steps for op, b in tracer.trace.bytes_by_op(within="step").items()},
+                      "bytes": tracer.trace.bytes_by_op(within="step"),
                       "params": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}}
     return out
 
@@ -570,7 +572,7 @@ t0 = time.perf_counter()
 mem_runs = {}
 for n in (1, 2, 4):
     mem_runs[n] = minifsdp.launch(model_state_worker, n, MEM_MODEL, MEM_STEPS, MEM_B, MEM_T, STRATEGIES,
-                                  timeout=120)
+                                  backend="gloo", timeout=120)   # CPU even on a GPU machine
 mem_ref = single_process(MEM_MODEL, MEM_STEPS, MEM_B, MEM_T)
 print(f"{MEM_MODEL}: {mem_ref['n_params']:,} parameters; 3 world sizes x 3 strategies x {MEM_STEPS} steps "
       f"in {time.perf_counter() - t0:.1f} s")
@@ -639,7 +641,8 @@ plt.show()
 # the black marks: whole parameters cannot be split evenly (a shard is `Ψ/N` plus
 # at most one parameter), and AdamW keeps a 4-byte step counter per tensor. The
 # "exact" column, counted from the partition, is met to the byte. FSDP (lab 04)
-# flattens and pads the parameters so that every shard is exactly `⌈Ψ/N⌉`.
+# flattens the parameters into one vector, pads it to a multiple of `N` and gives
+# each rank an equal slice, so its shards are exact.
 #
 # Did all nine runs train the same model? The loss of the second step (after one
 # update) against one process:
