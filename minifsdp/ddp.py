@@ -6,8 +6,8 @@ gradients before the optimizer step, so every replica takes the same step:
 
     grad = (1/N) * sum over ranks of grad_r        (an all-reduce, then / N)
 
-The mean of the per-rank mean losses is the mean loss of the whole batch, so
-N ranks with B samples each compute exactly what one process computes on
+With equal slices, the mean of the per-rank mean losses is the mean loss of
+the whole batch, so N ranks with B samples each compute exactly what one process computes on
 N*B samples (up to float rounding). Cost: one all-reduce of every gradient
 per step, 2Ψ bytes in the ZeRO paper's units (Ψ = gradient bytes).
 
@@ -282,6 +282,9 @@ class DistributedDataParallel(nn.Module):
     at the end of backward (their slot holds ``p.grad`` or zeros), and one
     extra small all-reduce of "used" flags tells which were unused on *every*
     rank: their ``.grad`` is left untouched (``None`` stays ``None``), as torch does.
+    (That flag all-reduce is the only traffic beyond 2Ψ: 4 bytes x 2 per parameter tensor.)
+    If only *some* ranks miss a gradient without ``find_unused_parameters``, those ranks
+    raise and the others wait in vain: under ``launch`` the error still surfaces.
 
     **no_sync() pitfall.** Like torch, whether a backward syncs is decided in
     ``forward`` (the flag is read there). So *both* forward and backward must
@@ -445,15 +448,13 @@ class DistributedDataParallel(nn.Module):
         """Start every complete bucket from ``_next_bucket`` on, stopping at the first incomplete one."""
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bk = self.buckets[self._next_bucket]
-            if not self.gradient_as_bucket_view:  # pack the bucket's gradients: one copy kernel
-                grads = [p.grad for p in bk.params]
-                if all(g is not None for g in grads):
-                    torch.cat([g.reshape(-1) for g in grads], out=bk.buffer)
-                else:  # only for unused parameters at the end of backward
-                    for g, v in zip(grads, bk.views):
-                        v.copy_(g) if g is not None else v.zero_()
-            if self._world > 1:
-                bk.buffer.div_(self._world)  # average = sum of (grad / N), as torch's default comm hook
+            scale = 1.0 / self._world  # average = sum of (grad / N), as torch's reducer does it
+            if self.gradient_as_bucket_view:
+                if self._world > 1:
+                    bk.buffer.mul_(scale)   # the gradients are already in the bucket
+            else:
+                for p, view in zip(bk.params, bk.views):  # copy in AND scale: one pass over memory
+                    torch.mul(p.grad, scale, out=view) if p.grad is not None else view.zero_()
             bk.handle = comm.all_reduce(bk.buffer, group=self.process_group, async_op=True)
             self._next_bucket += 1
 
