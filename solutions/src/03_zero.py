@@ -247,7 +247,7 @@ def greedy_partition(sizes: list[int], world_size: int) -> list[int]:
     [0, 1, 1, 0]
     """
     # BEGIN SOLUTION
-    # HINT: keep a load (elements owned so far) per rank; visit the parameter indices sorted by size, biggest first (equal sizes: lower index first), and give each to the rank with the smallest load (ties: the lowest rank, which is what load.index(min(load)) returns).
+    # HINT: keep a load (elements owned so far) per rank; visit the parameter indices sorted by size, biggest first (equal sizes: lower index first), and give each to the rank with the smallest load (equal loads: the lowest rank).
     load = [0] * world_size
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -262,7 +262,7 @@ def local_optimizer(params: list[torch.Tensor], owners: list[int], rank: int,
                     **adamw_kwargs) -> torch.optim.Optimizer:
     """AdamW over the parameters that `rank` owns, and no others."""
     # BEGIN SOLUTION
-    # HINT: torch.optim.AdamW(list_of_parameters, **adamw_kwargs), with the list holding only the p whose owner is rank.
+    # HINT: build torch.optim.AdamW(..., **adamw_kwargs) from a list holding only the parameters whose owner is `rank`.
     return torch.optim.AdamW([p for p, o in zip(params, owners) if o == rank], **adamw_kwargs)
     # END SOLUTION
 
@@ -270,7 +270,7 @@ def local_optimizer(params: list[torch.Tensor], owners: list[int], rank: int,
 def zero1_step(params: list[torch.Tensor], owners: list[int], optimizer: torch.optim.Optimizer) -> None:
     """On every rank, after the gradients are averaged: step the shard, then re-assemble the model."""
     # BEGIN SOLUTION
-    # HINT: optimizer.step() updates this rank's parameters only; then, for every parameter p with owner o (on every rank, same order), comm.broadcast(p.data, src=o) copies the owner's fresh values to all ranks.
+    # HINT: first the local step (it updates the owned parameters only); then each parameter must travel from the rank that updated it to all the others: one comm.broadcast per parameter, on its .data, called by every rank in the same order.
     optimizer.step()
     for p, owner in zip(params, owners):
         comm.broadcast(p.data, src=owner)
