@@ -294,7 +294,12 @@ def _hybrid_bad_group():
     FSDP(Toy(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=tdist.group.WORLD)
 
 
+def _hybrid_bad_size():
+    init_hybrid_groups(3)
+
+
 @pytest.mark.parametrize("fn, message", [
+    (_hybrid_bad_size, r"shard_size=3 must divide the world size 2"),
     (_mixed_dtypes, r"mixes parameter dtypes \['torch.float32', 'torch.float64'\].*cast the model"),
     (_tied_across_units, r"tied weights across units.*wrap every module that uses it in one unit"),
     (_optimizer_before_wrapping, r"built before wrapping.*build it after"),
@@ -419,3 +424,8 @@ def test_use_orig_params_per_parameter_groups_and_resume(n):
         for k, v in ref_sd.items():
             torch.testing.assert_close(sd[k], v, atol=ATOL, rtol=RTOL, msg=f"{strategy}: {k}")
         assert resumed == losses[2:], strategy    # resumed from the checkpoint: bit-identical
+
+
+def test_without_a_process_group_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"needs a process group: call it inside minifsdp.launch"):
+        FSDP(nn.Linear(2, 2))
