@@ -148,6 +148,9 @@ def toy_fsdp_worker(steps: int) -> dict:
             x, y = toy_batch(step, TOY_BATCH, rank, n)
             with trace.span("step"):
                 full = unshard(shard.detach(), numel)               # 1. all-gather
+                if full.numel() != numel:
+                    raise ValueError(f"unshard returned {full.numel()} numbers, the model has {numel}: "
+                                     "cut the padding off (return output[:numel])")
                 for p, piece, shape in zip(params, full.split(sizes), shapes):
                     p.data = piece.view(shape)                      #    parameters = views of `full`
                 loss = F.mse_loss(model(x), y)                      # 2. forward, backward
@@ -397,13 +400,28 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reading the bars: NO_SHARD holds everything that DDP holds, plus a full copy of
-# the optimizer state per rank. The sharded strategies keep `1/N` of parameters and
-# optimizer state; their peak adds the units that are unsharded at that moment.
-# SHARD_GRAD_OP keeps every unit's full weights from forward to backward, so its
-# `unsharded_params` at the peak is the whole model; FULL_SHARD has only the
-# units in flight. (On this small model activations are small; on a big one, the
-# whole-model copy is what makes SHARD_GRAD_OP run out of memory first.)
+# Reading the bars: NO_SHARD is DDP behind FSDP's API, every rank holding the full
+# parameters, gradients and AdamW state (its peak, like one process's, comes in the
+# optimizer step, whose scratch counts as `optimizer`). The sharded strategies keep
+# `1/N` of the parameters and of the optimizer state (HYBRID_SHARD `1/S`); on top of
+# that their peak holds the units unsharded at that moment and backward's scratch.
+# How many units were unsharded at the peak, in the cell below, tells the
+# strategies apart.
+
+# %%
+block_b = FP32 * models.count_parameters(models.build_model(GPT_MODEL).blocks[0])
+root_full_b = runs["FULL_SHARD"]["n_params"] * FP32 - 4 * block_b
+for s in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+    unsh = peak_row(runs[s])[1].get("unsharded_params", 0)
+    print(f"{s:<14} unsharded params at the peak {unsh / MiB:5.2f} MiB = root ({root_full_b / MiB:.2f}) "
+          f"+ {(unsh - root_full_b) / block_b:.1f} blocks of {block_b / MiB:.2f} MiB")
+
+# %% [markdown]
+# SHARD_GRAD_OP keeps every unit's full weights from forward to backward, so at its
+# peak the whole model is unsharded; FULL_SHARD frees each block after its forward
+# and holds only the blocks in flight in backward (the one computing and the one
+# prefetched, section 4) next to the root. On a big model that whole-model copy is
+# what runs SHARD_GRAD_OP out of memory first.
 #
 # ### Bytes per step: measured against `3Ψ` and `2Ψ`
 #
@@ -632,26 +650,40 @@ for name in ("BACKWARD_PRE", "BACKWARD_POST", "none"):
         print(f"   {unit:<9} {when}")
 
 # %% [markdown]
-# The same, drawn: rank 0 and rank 1 during the backward of the second step, one
-# panel per setting (compute lane above, collectives below each rank; time from the
-# start of the panel's run).
+# The same, drawn: ranks 0 and 1 during the backward of the second step, one panel
+# per setting. To keep the picture readable, `backward_view` keeps the backward span,
+# one bar per block from the end of its pre-backward hook to the start of its
+# post-backward hook (that block's gradient computation), and the all-gathers (the
+# reduce-scatters are in the trace too, left out of this picture).
 
 # %%
-fig, axes = plt.subplots(3, 1, figsize=(12, 10))
+def backward_view(tr: trace.Trace, step: int = 1) -> trace.Trace:
+    """A trace of `step`'s backward only: the backward span, each block's gradient compute, the all-gathers."""
+    bwd = next(s for s in tr.compute_spans() if s.name == "backward" and s.args.get("step") == step)
+    inside = [s for s in tr.spans if bwd.start <= s.start <= bwd.end]
+    pre = {s.args["unit"]: s for s in inside if s.name.startswith("pre_backward")}
+    post = {s.args["unit"]: s for s in inside if s.name.startswith("post_backward")}
+    blocks = [trace.Span(f"{u} grads", trace.COMPUTE, pre[u].end, post[u].start, {"unit": u})
+              for u in pre if u != "root" and u in post]
+    return trace.Trace(rank=tr.rank, spans=[bwd] + blocks + [s for s in inside if s.name == "all_gather"])
+
+
+fig, axes = plt.subplots(3, 1, figsize=(12, 9))
 for ax, name in zip(axes, ("BACKWARD_PRE", "BACKWARD_POST", "none")):
-    traces = [r[name]["trace"] for r in pf_runs]
-    t_zero = min(s.start for t in traces for s in t.spans)
-    bwds = [s for t in traces for s in t.compute_spans() if s.name == "backward" and s.args.get("step") == 1]
-    window = ((min(s.start for s in bwds) - t_zero) * 1e3 - 2, (max(s.end for s in bwds) - t_zero) * 1e3 + 2)
-    plot.timeline(traces, ax=ax, window=window, title=f"backward_prefetch={name}: backward of step 2, 2 ranks")
+    views = [backward_view(r[name]["trace"]) for r in pf_runs]
+    t_zero = min(s.start for v in views for s in v.spans)      # plot.timeline's time zero
+    bwd_ms = [((v.spans[0].start - t_zero) * 1e3, (v.spans[0].end - t_zero) * 1e3) for v in views]
+    plot.timeline(views, ax=ax, window=(min(a for a, _ in bwd_ms) - 1, max(b for _, b in bwd_ms) + 1),
+                  title=f"backward_prefetch={name}: backward of step 2 (gpt-mini, FULL_SHARD, 2 ranks)")
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With `BACKWARD_PRE` each block's all-gather (blue, in the comm lane) sits under the
-# previous block's backward; with `BACKWARD_POST` it starts in the gap after a
-# block's `post_backward`; with none it starts only when the block itself is
-# reached. On a GPU the all-gather runs on its own stream and hides behind compute;
+# An all-gather's bar runs from the moment it is issued to the moment its unit waits
+# for it (the first one, blocks.3's, is prefetched by the root as backward begins).
+# With `BACKWARD_PRE` each block's all-gather starts under the previous block's
+# gradient bar; with `BACKWARD_POST` it starts only once that bar has ended; with
+# none it starts when the block itself is reached, and the block waits for it. On a GPU the all-gather runs on its own stream and hides behind compute;
 # on CPU gloo works in a background thread, so the overlap is partial.
 #
 # The rate limiter, counted by the root (`model.stats`), with `forward_prefetch=True`
