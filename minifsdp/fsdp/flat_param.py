@@ -186,6 +186,7 @@ class FlatParamHandle:
             info.module._parameters[info.attr] = self.orig_params[self._unique_index(info)]
 
     def _shard_slice(self, info: ParamInfo) -> tuple[int, int]:
+        """``local_piece(info)`` in the shard's coordinates: ``flat_param[lo:hi]``."""
         start, end = self.local_piece(info)
         lo = self.shard_rank * self.shard_numel - info.offset
         return start - lo, end - lo
