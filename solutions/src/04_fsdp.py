@@ -573,17 +573,21 @@ for name, m in wrap_runs.items():
 #   memory.
 # * `None`: on demand, in the unit's own pre-backward hook.
 #
-# `limit_all_gathers=True` (the rate limiter) skips a prefetch while 2 non-root
-# units are already unsharded, so prefetching never holds more than two units. The
-# worker runs 2 steps under each setting on 2 ranks and returns the traces.
+# `forward_prefetch=True` does the same in forward: while a unit computes, gather the
+# one that ran next in the previous step. `limit_all_gathers=True` (the rate limiter,
+# on by default) skips a prefetch while 2 non-root units are already unsharded, so
+# prefetching never holds more than two units. The worker runs 2 steps under each
+# setting on 2 ranks and returns the traces.
 
 # %%
+NESTED = ModuleWrapPolicy({models.Block, models.FeedForward})   # each block, and each block's MLP inside it
 PF_CONFIGS = {"BACKWARD_PRE": dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE),
               "BACKWARD_POST": dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST),
               "none": dict(backward_prefetch=None),
-              "PRE + forward_prefetch": dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True),
-              "PRE + forward_prefetch, no limit": dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-                                                       forward_prefetch=True, limit_all_gathers=False)}
+              "forward_prefetch": dict(forward_prefetch=True),
+              "nested units + forward_prefetch": dict(units=NESTED, forward_prefetch=True),
+              "nested units + forward_prefetch, no limit": dict(units=NESTED, forward_prefetch=True,
+                                                                limit_all_gathers=False)}
 
 
 def prefetch_worker(model_name: str, batch: int, seq_len: int, configs: dict, steps: int = 2) -> dict:
@@ -591,7 +595,9 @@ def prefetch_worker(model_name: str, batch: int, seq_len: int, configs: dict, st
     rank, n = dist.rank(), dist.world_size()
     out = {}
     for name, kwargs in configs.items():
-        model = FSDP(models.build_model(model_name), auto_wrap_policy=ModuleWrapPolicy({models.Block}), **kwargs)
+        kwargs = dict(kwargs)
+        policy = kwargs.pop("units", ModuleWrapPolicy({models.Block}))
+        model = FSDP(models.build_model(model_name), auto_wrap_policy=policy, **kwargs)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         with trace.Tracer(rank=rank) as tracer:
@@ -686,31 +692,35 @@ plt.show()
 # none it starts when the block itself is reached, and the block waits for it. On a GPU the all-gather runs on its own stream and hides behind compute;
 # on CPU gloo works in a background thread, so the overlap is partial.
 #
-# The rate limiter, counted by the root (`model.stats`), with `forward_prefetch=True`
-# added (forward gathers the next block while the current one computes):
+# The rate limiter, counted by the root (`model.stats`). The last two settings nest
+# units: each block's MLP is a unit of its own inside the block's unit, so while the
+# MLP computes, its block is unsharded too.
 
 # %%
-print(f"{'setting':<34}{'prefetches':>11}{'skipped':>9}{'most non-root units unsharded':>31}")
+print(f"{'setting':<43}{'prefetches':>11}{'skipped':>9}{'most non-root units unsharded':>31}")
 for name, run in pf_runs[0].items():
     st = run["stats"]
-    print(f"{name:<34}{st['prefetches']:>11}{st['prefetches_skipped']:>9}{st['peak_unsharded_units']:>31}")
+    print(f"{name:<43}{st['prefetches']:>11}{st['prefetches_skipped']:>9}{st['peak_unsharded_units']:>31}")
 same = all(r[name]["losses"] == r["BACKWARD_PRE"]["losses"] for r in pf_runs for name in PF_CONFIGS)
 print("prefetch changes when bytes move, never the numbers: bit-identical losses in every setting, every rank:",
       same)
 assert same
 
 # %% [markdown]
-# With blocks resharded right after their forward (FULL_SHARD), at most the block
-# computing and the one being prefetched are full: two, the limit, so the limiter
-# has nothing to skip here. It matters on GPUs, where the CPU issues kernels far
-# ahead of the GPU: without it, the CPU could start all-gathers for many units and
-# fill the memory with them before the GPU gets there.
+# With one unit per block, resharded right after its forward (FULL_SHARD), at most
+# the block computing and the one being prefetched are full: two, the limit, so the
+# limiter has nothing to skip. With nested units, the MLP's forward would prefetch
+# the next block while the MLP *and* its block are full: the limiter skips those
+# prefetches (the next block is then gathered on demand) and keeps the count at two;
+# without it, three units are full at once. On GPUs the limiter matters more: the
+# CPU issues work far ahead of the GPU, and without a bound it could start the
+# all-gathers of many units and fill the memory with them before the GPU gets there.
 #
 # ## 5. Checkpoints: save a full state dict, resume in a fresh launch
 #
 # `FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, ...)` makes
 # `model.state_dict()` gather every unit and return the *unwrapped* model's keys
-# and shapes (`blocks.0.attn.qkv.weight`, ...), so the file loads into a plain model
+# and shapes (`blocks.0.attn.c_attn.weight`, ...), so the file loads into a plain model
 # or into FSDP at any world size. `rank0_only=True` keeps the gathered copy on rank 0
 # only (the one that writes the file); `FSDP.optim_state_dict` does the same for
 # AdamW's moments. PyTorch's API, unchanged.
