@@ -228,7 +228,14 @@ def _sync_and_summon():
         model.blocks[1].ln_1.weight.data.fill_(9.0)  # discarded
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         after = model.state_dict()
-    return synced, names, after
+    from minifsdp.models import lm_loss
+    x, y = _data(0, 2, tdist.get_rank())
+    lm_loss(model(x), y).backward()
+    with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+        grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+        rank0_only = sorted(n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters())[:1]
+    return synced, names, after, grads, rank0_only
 
 
 def _gpt_seeded(seed):
@@ -240,7 +247,14 @@ def _gpt_seeded(seed):
 def test_sync_module_states_and_summon_full_params():
     outs = launch(_sync_and_summon, 2, timeout=60)
     rank0_init = _gpt_seeded(0).state_dict()
-    for synced, names, after in outs:
+    from minifsdp.models import lm_loss
+    ref = _gpt_seeded(0)
+    ref.blocks[0].ln_1.weight.data.fill_(7.0)
+    lm_loss(ref(_data(0)[0]), _data(0)[1]).backward()
+    for r, (synced, names, after, grads, rank0_only) in enumerate(outs):
+        for name, p in ref.named_parameters():  # with_grads: the full, averaged gradients
+            torch.testing.assert_close(grads[name], p.grad, atol=ATOL, rtol=RTOL, msg=name)
+        assert rank0_only == (["blocks.0.attn.c_attn.bias"] if r == 0 else ["_flat_param"])
         for k, v in rank0_init.items():
             assert torch.equal(synced[k], v), k   # rank 1 started from seed 1, now holds rank 0's weights
         assert "blocks.0.ln_1.weight" in {n.replace("_fsdp_wrapped_module.", "") for n in names}

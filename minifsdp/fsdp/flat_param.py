@@ -286,12 +286,15 @@ class FlatParamHandle:
         handle.wait()
         return out
 
-    def expose_params(self, full: torch.Tensor) -> None:
+    def expose_params(self, full: torch.Tensor, full_grad: torch.Tensor | None = None) -> None:
         """Register views of ``full`` as ``nn.Parameter``s under the original names (summon)."""
         params: list[nn.Parameter] = []
-        for info, view in zip(self.infos, self.unflatten(full)):
+        grads = self.unflatten(full_grad) if full_grad is not None else [None] * len(self.infos)
+        for info, view, grad in zip(self.infos, self.unflatten(full), grads):
             p = params[info.shared_with] if info.shared_with is not None else nn.Parameter(
                 view, requires_grad=self.requires_grad)
+            if info.shared_with is None:
+                p.grad = grad
             params.append(p)
             info.module.__dict__.pop(info.attr, None)
             info.module._parameters[info.attr] = p

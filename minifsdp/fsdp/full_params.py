@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import comm, dist
 from .fully_sharded import _IDLE
 from .fully_sharded import FullyShardedDataParallel as FSDP
 from .options import all_ranks_enter
@@ -62,11 +62,14 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     """Inside the block the original parameters are full ``nn.Parameter``s (gathered, full precision).
 
     With ``writeback`` (default) changes are copied back into each rank's
-    shard on exit. Collective: every rank must enter it.
+    shard on exit. ``rank0_only``: only rank 0 sees full parameters (others
+    keep their shards; needs ``writeback=False``). ``with_grads``: the full
+    gradients too, as ``.grad``. Collective: every rank must enter it.
     """
-    if rank0_only or with_grads:
-        raise NotImplementedError("minifsdp's summon_full_params gathers on every rank without gradients; "
-                                  "call it with rank0_only=False, with_grads=False")
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params(rank0_only=True) cannot write back (the other ranks hold no full "
+                         "copy); pass writeback=False")
+    expose = not rank0_only or dist.rank() == 0
     units = [m for m in module.modules() if isinstance(m, FSDP)]
     units = units if recurse else units[:1]
     busy = [u._name for u in units if u._training_state != _IDLE]
@@ -79,11 +82,16 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         for h in u._handles:
             h.reshard()  # a kept (root) copy may be stale after optimizer.step()
             full = h.gather_full()
+            grad = h.flat_param.grad if with_grads else None
+            full_grad = h.gather_full(grad) if grad is not None else None  # collective: on every rank
+            if not expose:
+                continue
             full = full.cpu() if offload_to_cpu else full
-            h.expose_params(full)
+            h.expose_params(full, full_grad.to(full.device) if full_grad is not None else None)
             gathered.append((h, full))
-        for name in ("_flat_param", "_flat_param_frozen"):  # hide the shards meanwhile
-            u._parameters.pop(name, None)
+        if expose:
+            for name in ("_flat_param", "_flat_param_frozen"):  # hide the shards meanwhile
+                u._parameters.pop(name, None)
     try:
         yield
     finally:
@@ -91,7 +99,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             if writeback:
                 h.write_shard(full)
             h.hide_params()
-        for u in units:
+        for u in units if expose else ():
             for h in u._handles:
                 if h.orig_params is None:
                     u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param
