@@ -308,10 +308,11 @@ for n, results in toy_runs.items():
 # %% [markdown]
 # The shard is `⌈Ψ/N⌉` (`estimate.shard_numel`), never more than `N - 1` numbers of
 # padding. Each step moved the padded model twice: `Ψ` gathered, `Ψ` reduce-scattered
-# (at `N = 1` the same calls run, on one rank). That is the `2Ψ` of DDP and ZeRO-2 for
-# a fraction of their memory, because this version keeps the full weights from
-# forward to backward. Real FSDP frees them after forward to cut the peak, and
-# gathers them again in backward: `3Ψ`.
+# (at `N = 1` the same calls run, on one rank). That is the `2Ψ` of DDP and ZeRO-2,
+# while a rank holds only its shard between steps. This version keeps the full
+# weights from forward to backward (what SHARD_GRAD_OP does); FULL_SHARD frees them
+# after each unit's forward to lower the peak, and gathers them again in backward:
+# `3Ψ`.
 
 # %% [markdown]
 # ## 2. `minifsdp.fsdp` on a GPT: four sharding strategies
@@ -395,7 +396,7 @@ for c in CATS + ["other"]:
 ax.invert_yaxis()
 ax.set_xlabel("live memory at the peak of a step, per rank (MiB)")
 ax.set_title(f"{GPT_MODEL}, AdamW fp32, batch {BATCH}x{SEQ}; {WORLD} ranks (single: 1 process, whole batch)")
-ax.legend(fontsize=7, loc="lower right")
+ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -550,15 +551,20 @@ for name, m in wrap_runs.items():
           f"{cats.get('unsharded_params', 0) / MiB:>18.2f}{m['bytes_per_step'][0]['all_gather'] / MiB:>16.2f}"
           f"{1e3 * m['median_step_time_s'][0]:>9.0f}")
     assert max(abs(a - b) for a, b in zip(m["losses"], runs["single"]["losses"])) <= 1e-5
+one_unit_vs_ddp = peak_row(wrap_runs["none"])[0] / peak_row(runs["NO_SHARD"])[0]
+print(f"peak with wrap='none' / peak of NO_SHARD (section 2): {one_unit_vs_ddp:.2f}")
+assert one_unit_vs_ddp > 1, "the text below says one unit peaks above DDP: it did not in this run"
 
 # %% [markdown]
-# With one unit (`"none"`) the whole model is gathered at once: the peak holds a full
-# copy of the parameters, and since the root is never freed between forward and
-# backward, it is gathered only once per step (`Ψ`, not `2Ψ`). That is ZeRO-2's
-# memory at best, not ZeRO-3's. Smaller units lower the unsharded part of the peak
-# (at most the unit computing plus the one being prefetched); each unit costs its
-# own collectives, so on real hardware units that are too small lose to latency.
-# All three runs train the same model (losses within `1e-5` of one process).
+# With one unit (`"none"`) the whole model is gathered at once: at the peak the full
+# parameters (and, in backward, the full gradient) sit next to the shards, so the
+# last line compares it with NO_SHARD, plain DDP: sharding bought nothing at the
+# peak. Since the root is never freed between forward and backward, the one unit is
+# gathered once per step (`Ψ`, not `2Ψ`). Smaller units lower the unsharded part of
+# the peak (at most the unit computing plus the one being prefetched); each unit
+# costs its own collectives, so on real hardware units that are too small lose to
+# latency. All three runs train the same model (losses within `1e-5` of one
+# process).
 #
 # ## 4. Prefetch: when the next all-gather starts
 #
