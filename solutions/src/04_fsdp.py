@@ -192,7 +192,7 @@ def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tenso
     tensor([3., 4., 0.])
     """
     # BEGIN SOLUTION
-    # HINT: flat = torch.cat([p.detach().reshape(-1) for p in params]); pad it with zeros to math.ceil(numel / world) * world elements (F.pad(flat, (0, extra))); return the rank-th of world equal chunks, .clone()d.
+    # HINT: concatenate the tensors flattened (p.detach().reshape(-1)) in order; pad zeros at the end (F.pad) up to the next multiple of world (math.ceil); cut world equal chunks (.chunk) and return a copy of chunk number rank.
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     padded = math.ceil(flat.numel() / world) * world
     flat = F.pad(flat, (0, padded - flat.numel()))
@@ -203,7 +203,7 @@ def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tenso
 def unshard(shard: torch.Tensor, numel: int) -> torch.Tensor:
     """All-gather every rank's shard; the full flat parameter without its padding."""
     # BEGIN SOLUTION
-    # HINT: output = torch.empty(dist.world_size() * shard.numel(), dtype=shard.dtype); comm.all_gather_into_tensor(output, shard); return output[:numel].
+    # HINT: the output buffer holds world size x shard.numel() elements of the shard's dtype (torch.empty); comm.all_gather_into_tensor fills it; the padding sits at its end.
     output = torch.empty(dist.world_size() * shard.numel(), dtype=shard.dtype)
     comm.all_gather_into_tensor(output, shard)
     return output[:numel]
@@ -213,7 +213,7 @@ def unshard(shard: torch.Tensor, numel: int) -> torch.Tensor:
 def reduce_grad(grads: list[torch.Tensor]) -> torch.Tensor:
     """This rank's chunk of the gradient, averaged over ranks."""
     # BEGIN SOLUTION
-    # HINT: flatten and pad exactly like shard_flat (to a multiple of N = dist.world_size()); output = torch.empty(padded_length // N); comm.reduce_scatter_tensor(output, padded) sums over ranks; divide by N.
+    # HINT: lay the gradients out exactly as shard_flat laid out the parameters (flat, zero-padded to a multiple of N = dist.world_size()); the output holds one chunk; comm.reduce_scatter_tensor(output, padded) SUMS over ranks.
     n = dist.world_size()
     flat = torch.cat([g.reshape(-1) for g in grads])
     padded = math.ceil(flat.numel() / n) * n
