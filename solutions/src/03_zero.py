@@ -621,8 +621,9 @@ print(f"{MEM_MODEL}: {mem_ref['n_params']:,} parameters; 3 world sizes x 3 strat
 # holds the most (the one that decides whether a model fits):
 #
 # * **measured**: the tracker's books;
-# * **formula**: `estimate.model_state_bytes_per_device(Ψ, N, stage)`, fp32,
-#   `4Ψ + 4Ψ + 8Ψ` divided by `N` where the stage shards it;
+# * **formula**: `estimate.model_state_bytes_per_device(Ψ, N, stage, padding=False)`,
+#   fp32: `4Ψ + 4Ψ + 8Ψ` bytes for `Ψ` parameters, each term divided by `N` where
+#   the stage shards it;
 # * **exact**: counted from the partition: the owned elements (whole parameters)
 #   times 4 or 8 bytes, plus AdamW's 4-byte `step` counter per owned tensor.
 
@@ -703,8 +704,9 @@ assert worst_loss <= 1e-5, "a strategy trained a different model"
 #   all-gather `S`;
 # * **sent per rank** with ring algorithms: `(N-1)/N` of the volume.
 #
-# The formula column is `estimate.comm_bytes_per_step(Ψ, N, strategy, ring=False)`.
-# Note `"oss"` there: FairScale's ZeRO-1 (and ours) all-reduces the gradients and
+# Here, as in the paper's section 7, `Ψ` counts the *bytes* of the parameters
+# (every gradient has the same size). The formula column is
+# `estimate.comm_bytes_per_step(n_params, N, strategy, ring=False)`. Note `"oss"` there: FairScale's ZeRO-1 (and ours) all-reduces the gradients and
 # then broadcasts the parameters, `3Ψ`; the paper's ZeRO-1 reduce-scatters the
 # gradients instead, `2Ψ`, which is in effect what ZeRO-2 does.
 
@@ -712,7 +714,7 @@ assert worst_loss <= 1e-5, "a strategy trained a different model"
 # NBVAL_CHECK_OUTPUT
 FORMULA_NAME = {"ddp": "ddp", "zero1": "oss", "zero2": "zero2"}
 psi_mini_bytes = FP32 * psi_mini
-print(f"parameters: {psi_mini_bytes / MiB:.2f} MiB (= Psi)")
+print(f"parameter bytes: {psi_mini_bytes / MiB:.2f} MiB (= Psi in this table)")
 print(f"{'':7}{'N':>2}  {'by collective, MiB':<34}{'volume':>8}{'formula':>9}{'in Psi':>8}"
       f"{'sent/rank':>11}{'(N-1)/N vol':>12}")
 comm_table = {}
