@@ -21,7 +21,8 @@
 # formulas in `minifsdp.estimate`; 2. exercise: shard the optimizer yourself
 # (ZeRO-1), checked against one process; 3. ZeRO-2 with `minifsdp.zero`: gradients
 # go to their owner only; 4. measured: memory per rank and bytes moved per step at
-# 1, 2 and 4 ranks, next to the formulas; 5. the same strategies from the trainer.
+# 1, 2 and 4 ranks, next to the formulas, with exercise 2: predict each rank's
+# bytes exactly; 5. the same strategies from the trainer.
 #
 # Everything runs on the CPU (gloo) in under a minute (the last cell prints the
 # time). The workers are device-agnostic (`dist.device()`): on a GPU machine they
@@ -617,6 +618,67 @@ print(f"{MEM_MODEL}: {mem_ref['n_params']:,} parameters; 3 world sizes x 3 strat
       f"in {time.perf_counter() - t0:.1f} s")
 
 # %% [markdown]
+# ### Exercise 2: predict each rank's model states to the byte
+#
+# The formula divides by `N`; a real rank holds what it *owns*, whole parameters.
+# Write `predict_model_states(stage, n_params, owned_numel, owned_tensors)`: the
+# bytes of parameters, gradients (after backward) and AdamW state (after a step)
+# on one rank, fp32, for stage 0 (DDP), 1 or 2. `owned_numel` and `owned_tensors`
+# describe the parameters this rank's optimizer steps (for DDP, all of them).
+# The check holds it against the tracker's books of every rank of the nine runs.
+
+# %%
+STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2}
+psi_mini = mem_ref["n_params"]
+
+
+def predict_model_states(stage: int, n_params: int, owned_numel: int, owned_tensors: int) -> dict[str, int]:
+    """Bytes held by one rank: {"parameters": ..., "gradients": ..., "optimizer": ...} (fp32, AdamW)."""
+    # BEGIN SOLUTION
+    # HINT: which of the three does each stage shard (section 1's table)? A sharded term counts the owned elements, an unsharded one all n_params; fp32 is 4 B per element, AdamW keeps two moments per element and one 4-byte step counter per tensor it steps.
+    grads = owned_numel if stage >= 2 else n_params      # ZeRO-2: only the owned gradients survive
+    return {"parameters": FP32 * n_params,                 # stages 0-2 never shard the parameters
+            "gradients": FP32 * grads,
+            "optimizer": 2 * FP32 * owned_numel + FP32 * owned_tensors}   # exp_avg, exp_avg_sq; step
+    # END SOLUTION
+
+# %%
+# CHECK: predict_model_states against every rank of every run of section 4
+def _diagnose_states(cat: str, got: int, want: int, n: int, out: dict) -> str:
+    """The likely slip behind a wrong prediction, in words."""
+    owned, k = out["owned_numel"], out["owned_tensors"]
+    if got * FP32 == want or (cat == "optimizer" and got == 2 * owned + k):
+        return "you counted elements: fp32 is 4 bytes per element"
+    per_element = {"parameters": FP32, "gradients": FP32, "optimizer": 2 * FP32}[cat]
+    if n > 1 and abs(got - per_element * psi_mini / n) <= FP32 * k + 1:
+        return ("you divided all the parameters by N: a rank owns whole parameters, so count owned_numel "
+                "(the shards are not equal)")
+    hints = {
+        ("parameters", FP32 * owned): "stages 0-2 keep every parameter on every rank (sharding them is ZeRO-3)",
+        ("gradients", FP32 * owned): "ZeRO-1 keeps every averaged gradient (it all-reduces); only ZeRO-2 shards them",
+        ("gradients", FP32 * psi_mini): "ZeRO-2 keeps only the gradients of the owned parameters",
+        ("optimizer", 2 * FP32 * owned): f"you forgot AdamW's 4-byte step counter, one per owned tensor ({k} here)",
+        ("optimizer", 2 * FP32 * psi_mini + FP32 * len(list(models.build_model(MEM_MODEL, device="meta").parameters()))):
+            "from stage 1 on, the optimizer state covers the owned parameters only",
+    }
+    return hints.get((cat, got), "sharded terms count the owned elements, unsharded ones all n_params; "
+                                 "AdamW: 2 x 4 B per element + 4 B per tensor")
+
+
+for strategy in STRATEGIES:
+    for n, results in mem_runs.items():
+        for r, out in enumerate(r_out[strategy] for r_out in results):
+            stage = STAGE_OF[strategy]
+            got = predict_model_states(stage, psi_mini, out["owned_numel"], out["owned_tensors"])
+            assert isinstance(got, dict) and set(CATS) <= set(got), \
+                f"return a dict with the keys {CATS}, got {got!r}"
+            for cat in CATS:
+                assert int(got[cat]) == out[cat], (
+                    f"stage {stage} ({strategy}), {n} ranks, rank {r}: you predict {int(got[cat]):,} B of {cat}, "
+                    f"the tracker measured {out[cat]:,} B: " + _diagnose_states(cat, int(got[cat]), out[cat], n, out))
+print("predict_model_states: right to the byte on every rank of the 9 runs")
+
+# %% [markdown]
 # The table puts three numbers side by side for each category, on the rank that
 # holds the most (the one that decides whether a model fits):
 #
@@ -624,21 +686,12 @@ print(f"{MEM_MODEL}: {mem_ref['n_params']:,} parameters; 3 world sizes x 3 strat
 # * **formula**: `estimate.model_state_bytes_per_device(Ψ, N, stage, padding=False)`,
 #   fp32: `4Ψ + 4Ψ + 8Ψ` bytes for `Ψ` parameters, each term divided by `N` where
 #   the stage shards it;
-# * **exact**: counted from the partition: the owned elements (whole parameters)
-#   times 4 or 8 bytes, plus AdamW's 4-byte `step` counter per owned tensor.
+# * **exact**: your `predict_model_states`, from what the rank owns.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2}
-psi_mini = mem_ref["n_params"]
-
-
 def exact_bytes(strategy, out):
-    """What this rank must hold, counted from what it owns."""
-    sharded = {0: (), 1: ("optimizer",), 2: ("gradients", "optimizer")}[STAGE_OF[strategy]]
-    grads = out["owned_numel"] if "gradients" in sharded else psi_mini
-    return {"parameters": FP32 * psi_mini, "gradients": FP32 * grads,
-            "optimizer": 2 * FP32 * out["owned_numel"] + FP32 * out["owned_tensors"]}
+    return predict_model_states(STAGE_OF[strategy], psi_mini, out["owned_numel"], out["owned_tensors"])
 
 
 print(f"{'':8}{'N':>2}" + "".join(f"{c + ' MiB':>26}" for c in CATS))
@@ -647,7 +700,7 @@ mem_table = {}
 for strategy in STRATEGIES:
     for n, results in mem_runs.items():
         for out in (r[strategy] for r in results):   # exact, on every rank, to the byte
-            assert {c: out[c] for c in CATS} == exact_bytes(strategy, out), (strategy, n)
+            assert {c: out[c] for c in CATS} == {c: exact_bytes(strategy, out)[c] for c in CATS}, (strategy, n)
         worst = max((r[strategy] for r in results), key=lambda o: sum(o[c] for c in CATS))
         formula = estimate.model_state_bytes_per_device(psi_mini, n, STAGE_OF[strategy], padding=False)
         mem_table[strategy, n] = (worst, formula)
