@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -231,10 +232,10 @@ def validate(cfg: TrainConfig) -> None:
 def _check_writable(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-test")
-        with open(probe, "w"):
+        # A probe name unique to this process: under torchrun every rank runs this check
+        # at once, and a shared name lets one rank delete the other's probe.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
-        os.remove(probe)
     except OSError as exc:
         raise ValueError(f"--out {path!r} is not writable ({exc.strerror}); choose another folder") from None
 
