@@ -429,3 +429,36 @@ def test_use_orig_params_per_parameter_groups_and_resume(n):
 def test_without_a_process_group_names_the_fix():
     with pytest.raises(RuntimeError, match=r"needs a process group: call it inside minifsdp.launch"):
         FSDP(nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------
+# repr: reads like torch's FSDP (wrapped units shown nested), before and after use
+# --------------------------------------------------------------------------
+def _reprs():
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from minifsdp.models import Block, build_model, lm_loss
+
+    ours = FSDP(build_model("gpt-tiny", seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    theirs = TorchFSDP(build_model("gpt-tiny", seed=0), auto_wrap_policy=TorchPolicy({Block}),
+                       device_id=torch.device("cpu"))
+    out = {"fresh": repr(ours), "torch": repr(theirs), "n_layer": ours.config.n_layer}  # __getattr__ fallback
+    data = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    lm_loss(ours(data[:, :-1]), data[:, 1:]).backward()
+    out["after_step"] = repr(ours)
+    with FSDP.summon_full_params(ours):
+        pass
+    out["after_summon"] = repr(ours)
+    return out
+
+
+def test_repr_reads_like_torch_fsdp():
+    from minifsdp.models import build_model
+
+    out = launch(_reprs, 2, timeout=120)[0]
+    assert out["fresh"].startswith("FullyShardedDataParallel(\n  (_fsdp_wrapped_module): GPT(\n")
+    assert "(0-1): 2 x FullyShardedDataParallel(\n        (_fsdp_wrapped_module): Block(" in out["fresh"]
+    assert "LayerNorm((32,), eps=1e-05, elementwise_affine=True, bias=True)" in out["fresh"]
+    assert out["fresh"] == out["torch"] == out["after_step"] == out["after_summon"]
+    assert out["n_layer"] == build_model("gpt-tiny").config.n_layer

@@ -170,9 +170,17 @@ class FlatParamHandle:
         """Remove the original parameters from their modules and free their memory."""
         for info in self.infos:
             info.module._parameters.pop(info.attr, None)
+        self._stand_ins()
         for p in unique:
             setattr(p, RETIRED_MARK, True)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _stand_ins(self) -> None:
+        """While sharded, shape-only (meta) tensors under the original names, so ``repr(model)``
+        and ``layer_norm.bias is not None`` read as on the unwrapped model (torch leaves views of
+        the freed flat parameter there); the next forward puts views of ``_full`` in their place."""
+        for info in self.infos:
+            info.module.__dict__[info.attr] = torch.empty(info.shape, dtype=self.compute_dtype, device="meta")
 
     def use_sharded_views(self) -> None:
         """use_orig_params=True at rest: each original Parameter (and its ``.grad``) is a 1-D view of
@@ -305,6 +313,8 @@ class FlatParamHandle:
             info.module._parameters.pop(info.attr, None)
         if self.orig_params is not None:
             self.use_sharded_views()
+        else:
+            self._stand_ins()
 
     def write_shard(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of ``full`` back into the shard (summon's writeback, loading)."""
