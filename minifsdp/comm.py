@@ -33,13 +33,25 @@ rank holds the same number of elements — exactly what FSDP's flat parameters
 do). Set ``comm.CHECK_ACROSS_RANKS = True`` (or env ``MINIFSDP_CHECK_COMM=1``)
 to also compare shapes between ranks before each collective: slower, but a
 mismatch becomes an error instead of a hang or garbage.
+
+Labelling spans: ``with comm.annotate(unit="blocks.0"):`` adds ``unit`` to
+the arguments of every span recorded for a call made inside the block. An
+async call keeps the labels it was *called* with, even if ``wait()`` (which
+records its span) runs after the block; nested blocks merge, inner wins::
+
+    with comm.annotate(unit="blocks.0"):
+        h = comm.all_gather_into_tensor(out, shard, async_op=True)
+        with comm.annotate(phase="backward"):
+            comm.all_reduce(g)             # span args: unit="blocks.0", phase="backward"
+    h.wait()                               # span args: unit="blocks.0"
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as tdist
@@ -49,7 +61,7 @@ from . import dist, trace
 
 __all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
            "reduce_scatter", "broadcast", "reduce", "send", "recv", "isend", "irecv", "barrier",
-           "Handle", "ReduceOp", "collective_bytes", "pad_to_multiple"]
+           "Handle", "ReduceOp", "annotate", "annotations", "collective_bytes", "pad_to_multiple"]
 
 CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
 
@@ -57,6 +69,43 @@ CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
 # older releases only have the old names.
 _all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+
+
+# The labels of the open ``annotate`` blocks, outermost first. One list per
+# process, not per thread: on CUDA the autograd engine runs backward hooks (and
+# the collectives they start) on its own thread, inside the caller's block.
+_annotations: list[dict[str, Any]] = []
+# Span arguments comm fills in itself; an annotation must not overwrite them.
+_RESERVED = frozenset({"bytes", "ring_bytes", "group_size", "dtype", "numel", "async_op", "src", "dst", "peer"})
+
+
+@contextmanager
+def annotate(**args: Any) -> Iterator[None]:
+    """Add ``args`` to the span of every collective called inside the block (nesting merges).
+
+    >>> with annotate(unit="blocks.0", phase="forward"):
+    ...     annotations()
+    {'unit': 'blocks.0', 'phase': 'forward'}
+    >>> annotations()
+    {}
+    """
+    taken = sorted(_RESERVED & set(args))
+    if taken:
+        raise ValueError(f"comm.annotate: {taken} are span arguments comm records itself; "
+                         "choose other names (e.g. unit=..., phase=...)")
+    _annotations.append(args)
+    try:
+        yield
+    finally:
+        _annotations.pop()
+
+
+def annotations() -> dict[str, Any]:
+    """The labels a collective called now gets: the open ``annotate`` blocks merged, inner wins."""
+    merged: dict[str, Any] = {}
+    for args in _annotations:
+        merged.update(args)
+    return merged
 
 
 def collective_bytes(op: str, nbytes: int, group_size: int) -> dict[str, int]:
@@ -109,7 +158,7 @@ class Handle:
 def _record(op: str, work: Any, start: float, nbytes: int, group: ProcessGroup | None,
             async_op: bool, tensor: torch.Tensor, **extra: Any) -> Handle | None:
     size = dist.world_size(group)
-    args = dict(collective_bytes(op, nbytes, size), group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
+    args = dict(annotations(), **collective_bytes(op, nbytes, size), group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
                 numel=tensor.numel(), async_op=async_op, **extra)
     handle = Handle(work, op, start, args, trace.active_tracer(), tensor.device)
     if async_op:
@@ -241,7 +290,8 @@ def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     dist.require_initialized("comm.barrier")
-    with trace.span("barrier", trace.COMM, bytes=0, ring_bytes=0, group_size=dist.world_size(group)):
+    with trace.span("barrier", trace.COMM, **annotations(), bytes=0, ring_bytes=0,
+                    group_size=dist.world_size(group)):
         tdist.barrier(group=group)
 
 

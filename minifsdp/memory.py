@@ -123,6 +123,13 @@ _global_lock = threading.Lock()
 _orig_resize: Any = None
 
 
+def active_trackers() -> list["MemoryTracker"]:
+    """The trackers now inside ``with tracker:``, oldest first (a copy). A technique labels
+    its own buffers in each: ``for t in active_trackers(): t.register(buf, "unsharded_params")``."""
+    with _global_lock:
+        return list(_active)
+
+
 def _resize_(storage: Any, size: int) -> Any:
     result = _orig_resize(storage, size)
     for tracker in list(_active):

@@ -132,3 +132,40 @@ def test_spans_appear_in_torch_profiler():
     with torch.profiler.profile() as prof, tracer, tracer.span("my_forward_span"):
         torch.ones(3).sum()
     assert "my_forward_span" in {e.key for e in prof.key_averages()}
+
+
+def _annotated_run():
+    tracer = trace.Tracer()
+    with tracer:
+        with comm.annotate(unit="blocks.0"):
+            comm.all_reduce(torch.ones(2))                                            # sync
+            handle = comm.all_gather_into_tensor(torch.empty(2 * tdist.get_world_size()), torch.ones(2),
+                                                 async_op=True)
+            with comm.annotate(phase="backward", unit="blocks.1"):                     # nesting: merge, inner wins
+                comm.broadcast(torch.ones(1), src=0)
+                comm.barrier()
+        handle.wait()                      # recorded after the block: keeps the labels it was called with
+        comm.all_reduce(torch.ones(1))     # outside any block: no labels
+        inside = comm.annotations()
+    return [(s.name, {k: s.args[k] for k in ("unit", "phase") if k in s.args}, s.args["bytes"])
+            for s in tracer.trace.spans], inside
+
+
+def test_annotate_labels_sync_and_async_spans_and_nests():
+    spans, inside = launch(_annotated_run, 2, timeout=60)[1]
+    assert inside == {}
+    assert [(name, labels) for name, labels, _ in spans] == [
+        ("all_reduce", {"unit": "blocks.0"}),
+        ("broadcast", {"unit": "blocks.1", "phase": "backward"}),
+        ("barrier", {"unit": "blocks.1", "phase": "backward"}),
+        ("all_gather", {"unit": "blocks.0"}),
+        ("all_reduce", {}),
+    ]
+    assert [b for *_, b in spans] == [16, 4, 0, 16, 8]  # comm's own arguments untouched
+
+
+def test_annotate_rejects_reserved_names():
+    with pytest.raises(ValueError, match=r"\['bytes'\] are span arguments comm records itself; choose other"):
+        with comm.annotate(bytes=3):
+            pass
+    assert comm.annotations() == {}

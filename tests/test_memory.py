@@ -274,3 +274,16 @@ def test_fsdp2_resize_and_comm_single_rank(tmp_path):
 def test_module_constants():
     assert memory.CATEGORIES == (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS,
                                  TEMPORARY, COMM, OTHER)
+
+
+def test_active_trackers_lists_the_open_ones():
+    outer, inner = MemoryTracker(), MemoryTracker()
+    assert memory.active_trackers() == []
+    with outer:
+        with inner:
+            got = memory.active_trackers()
+            got.clear()                                   # a copy: the module's list is untouched
+            assert memory.active_trackers() == [outer, inner]
+        with outer:                                       # re-entering does not list it twice
+            assert memory.active_trackers() == [outer]
+    assert memory.active_trackers() == []

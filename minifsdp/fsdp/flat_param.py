@@ -74,20 +74,10 @@ class ParamInfo:
     shared_with: int | None = None  # index of the first info of the same tensor (tied weights)
 
 
-def tag(handle: comm.Handle | None, unit: str) -> None:
-    """Name the unit on a collective's trace span.
-
-    ``comm``'s public functions take no extra span arguments yet, so the unit
-    goes into the async handle's span arguments before ``wait()`` records it.
-    """
-    if handle is not None and hasattr(handle, "_args"):
-        handle._args["unit"] = unit
-
-
 def label(t: torch.Tensor | None, category: str) -> None:
     """Tell every active ``memory.MemoryTracker`` what ``t``'s bytes are (no-op without one)."""
     if t is not None:
-        for tracker in list(memory._active):  # memory.py has no public accessor for active trackers yet
+        for tracker in memory.active_trackers():
             tracker.register(t, category)
 
 
@@ -254,8 +244,8 @@ class FlatParamHandle:
             if self.shard_size == 1:
                 out.copy_(src)
             else:
-                handle = comm.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
-                tag(handle, self.unit)
+                with comm.annotate(unit=self.unit):  # the unit's name on the collective's trace span
+                    handle = comm.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
                 self._pending = (handle, src)  # src must stay alive until the gather is done
         if not async_op:
             self.wait()
@@ -289,9 +279,8 @@ class FlatParamHandle:
         if self.shard_size == 1:
             return shard.clone()
         out = shard.new_empty(self.padded_numel)
-        handle = comm.all_gather_into_tensor(out, shard.contiguous(), group=self.shard_group, async_op=True)
-        tag(handle, self.unit)
-        handle.wait()
+        with comm.annotate(unit=self.unit):
+            comm.all_gather_into_tensor(out, shard.contiguous(), group=self.shard_group)
         return out
 
     def expose_params(self, full: torch.Tensor, full_grad: torch.Tensor | None = None) -> None:
@@ -338,22 +327,21 @@ class FlatParamHandle:
         label(grad, UNSHARDED_GRADS)
         grad = grad.to(self.reduce_dtype)
         grad.div_(dp_size)  # average, like DDP/FSDP: every rank saw 1/dp_size of the batch
-        if self.shard_size > 1:
-            out = grad.new_empty(self.shard_numel)
-            first = comm.reduce_scatter_tensor(out, grad, group=self.shard_group, async_op=True)
-        else:
-            out, first = grad, None
-            if self.replicate_size > 1:
-                first = comm.all_reduce(out, group=self.replicate_group, async_op=True)
-        tag(first, self.unit)
+        with comm.annotate(unit=self.unit):
+            if self.shard_size > 1:
+                out = grad.new_empty(self.shard_numel)
+                first = comm.reduce_scatter_tensor(out, grad, group=self.shard_group, async_op=True)
+            else:
+                out, first = grad, None
+                if self.replicate_size > 1:
+                    first = comm.all_reduce(out, group=self.replicate_group, async_op=True)
 
         def finish() -> None:
             if first is not None:
                 first.wait()
             if self.shard_size > 1 and self.replicate_size > 1:  # HYBRID: across the replicas
-                second = comm.all_reduce(out, group=self.replicate_group, async_op=True)
-                tag(second, self.unit)
-                second.wait()
+                with comm.annotate(unit=self.unit):
+                    comm.all_reduce(out, group=self.replicate_group)
             reduced = out.to(self.flat_param.device, self.flat_param.dtype)
             if self.orig_params is not None and all(p.grad is None for p in self.orig_params):
                 self.flat_param.grad = None  # optimizer.zero_grad() cleared the views: start afresh
