@@ -1,18 +1,33 @@
 """Benchmark minifsdp's strategies side by side with PyTorch's own, in one run.
 
 Front layer. ``python -m minifsdp.bench`` trains the same model on the same
-data with each strategy of a pair (``ddp`` vs ``torch-ddp``, ``fsdp`` vs
+data with each side of a pair (``ddp`` vs ``torch-ddp``, ``fsdp`` vs
 ``torch-fsdp``, ...) at each world size, alternating the order of the pair
 between repeats so that a noisy machine hurts both sides alike, and reports
 medians and ratios (minifsdp / torch):
 
 * step time — the median over the steps after ``--warmup``, then the median
   over repeats (timing runs do *not* track memory: tracking costs ~1.3x);
-* peak memory — one extra short run per strategy with the memory tracker;
-* bytes moved per step — from the tracer's comm spans (for torch's own
-  implementations, from a DDP comm hook that counts each bucket).
+* peak memory — one extra short run per side with the memory tracker;
+* bytes moved per step — from the tracer's comm spans, in the ZeRO paper's
+  units (``comm.collective_bytes``). minifsdp records its own collectives;
+  torch's are counted by ``torch_reference.count_collectives`` (and a DDP
+  comm hook for DDP's C++ all-reduce), so both columns are measured. The
+  third column, *expected*, is computed here from the model's structure
+  (``expected_bytes``), padding included; minifsdp must move exactly that.
+* same losses — both sides' losses agree (rel 1e-5): they trained the same.
 
-    python -m minifsdp.bench --model gpt-small --world-sizes 2 4 --pairs ddp:torch-ddp
+A side is ``strategy`` or ``strategy@OPTION``, the option being the
+sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
+
+    python -m minifsdp.bench --model gpt-small --world-sizes 2 4 \\
+        --pairs ddp:torch-ddp fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP
+    python -m minifsdp.bench --preset issue4      # every pair of README's table
+
+HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x
+replicate 2). There torch's FSDP1 switches a shard group of one to NO_SHARD
+*within* that group (it warns), so its replicas never synchronise and its
+losses drift from one process's: the "same losses" column says no.
 
 Writes ``bench.json`` and prints a table; README.md quotes it.
 """
@@ -22,14 +37,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 from typing import Any
 
-from . import estimate
-from .train import STRATEGIES, TrainConfig, train
+from . import estimate, models
+from .train import SHARDING_OPTIONS, STRATEGIES, TrainConfig, train
+
+# Every pair of issue 4 (ZeRO-1/2/3 and each sharding strategy beside torch's own).
+PRESETS: dict[str, tuple[str, ...]] = {
+    "issue4": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
+               "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
+               "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
+               "fsdp@FULL_SHARD:torch-fsdp2"),
+}
+LOSS_RTOL = 1e-5  # fp32, a few AdamW steps: as tests/test_train.py
 
 
 @dataclasses.dataclass
@@ -45,11 +70,38 @@ class BenchConfig:
     memory: bool = True
 
 
-def _run(cfg: BenchConfig, strategy: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
+def parse_side(side: str) -> tuple[str, str | None]:
+    """``"fsdp@SHARD_GRAD_OP"`` -> ``("fsdp", "SHARD_GRAD_OP")``; ``"ddp"`` -> ``("ddp", None)``."""
+    name, _, option = side.partition("@")
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
+    if not option:
+        return name, None
+    options = SHARDING_OPTIONS.get(name)
+    if options is None:
+        takes = ", ".join(SHARDING_OPTIONS)
+        raise ValueError(f"{name!r} takes no @option in --pairs (only {takes} do); write {name!r} alone")
+    if option not in options:
+        raise ValueError(f"unknown option {option!r} for {name} in --pairs; choose from: {', '.join(options)}")
+    return name, option
+
+
+def parse_pair(pair: str) -> tuple[str, str]:
+    """``"ours:theirs"``, each side checked by ``parse_side``."""
+    sides = pair.split(":")
+    if len(sides) != 2 or not all(sides):
+        raise ValueError(f"a pair is ours:theirs, e.g. fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD; got {pair!r}")
+    for side in sides:
+        parse_side(side)
+    return sides[0], sides[1]
+
+
+def _run(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
+    name, option = parse_side(side)
     with tempfile.TemporaryDirectory() as tmp:
-        tc = TrainConfig(strategy=strategy, world_size=world_size, model=cfg.model, steps=steps,
-                         batch_size=cfg.batch_size, quiet=True, out=tmp, track_memory=track_memory,
-                         write_plots=False)
+        tc = TrainConfig(strategy=name, sharding_strategy=option or "FULL_SHARD", world_size=world_size,
+                         model=cfg.model, steps=steps, batch_size=cfg.batch_size, quiet=True, out=tmp,
+                         track_memory=track_memory, write_plots=False)
         return train(tc)
 
 
@@ -59,66 +111,143 @@ def _median_step(metrics: dict[str, Any], warmup: int) -> float:
     return statistics.median(per_step[warmup:] or per_step)
 
 
+# --------------------------------------------------------------------------
+# Expected bytes: what minifsdp's side must move, from the model's structure
+# --------------------------------------------------------------------------
+
+def unit_numels(model_name: str) -> tuple[list[int], int]:
+    """Parameter counts of the FSDP units under the Block wrap policy: ``([block, ...], root)``.
+
+    The root unit holds what no Block does (embeddings, final norm, head).
+    """
+    model = models.build_model(model_name)
+    blocks = [models.count_parameters(m) for m in model.modules() if isinstance(m, models.Block)]
+    return blocks, models.count_parameters(model) - sum(blocks)
+
+
+def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any]:
+    """Bytes per step minifsdp's ``side`` moves (volume convention, fp32, wrap=block), by collective.
+
+    ``"paper"`` is the ZeRO paper's kΨ (``estimate.comm_bytes_per_step``);
+    ``"total"`` the exact value: FSDP moves *padded* flat parameters (each
+    unit padded to a multiple of its shard group), and FULL_SHARD keeps the
+    root unit unsharded from forward to backward (torch FSDP1 and minifsdp
+    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP also
+    broadcasts the module's buffers before each forward (as torch's
+    ``broadcast_buffers=True``).
+
+    >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42880 x 4 B = 171520 B
+    >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3Ψ; 3Ψ - Ψ_root
+    (514560, 444672, 273152)
+    """
+    name, option = parse_side(side)
+    n = world_size
+    blocks, root = unit_numels(model_name)
+    psi_n = sum(blocks) + root
+    b = 4  # fp32
+    buffers = sum(t.numel() * t.element_size() for t in models.build_model(model_name).buffers())
+    by_op: dict[str, int]
+    if name in ("ddp", "ddp-naive"):
+        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": buffers}, "ddp"
+    elif name == "zero1":  # OSS: all-reduce the gradients, each owner broadcasts its parameters
+        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": psi_n * b}, "oss"
+    elif name == "zero2":  # reduce each gradient to its owner, owners broadcast
+        by_op, paper_key = {"reduce": psi_n * b, "broadcast": psi_n * b}, "zero2"
+    elif name == "fsdp":
+        by_op, paper_key = _fsdp_bytes(option or "FULL_SHARD", blocks, root, n, b)
+    else:
+        raise ValueError(f"no expected bytes for {side!r}: it is not one of minifsdp's strategies")
+    paper = (estimate.comm_bytes_per_step(psi_n, n, paper_key, ring=False)["total"] if paper_key else None)
+    by_op = {op: v for op, v in by_op.items() if v}
+    return {"total": sum(by_op.values()), "by_op": by_op, "paper": paper, "paper_key": paper_key,
+            "n_params": psi_n}
+
+
+def _fsdp_bytes(option: str, blocks: list[int], root: int, n: int, b: int) -> tuple[dict[str, int], str | None]:
+    """FSDP's collectives per step for one sharding strategy; see ``expected_bytes``."""
+    if option == "NO_SHARD":  # DDP-like: all-reduce the unpadded gradients
+        return {"all_reduce": 2 * (sum(blocks) + root) * b}, "no_shard"
+    shard = n // 2 if option == "HYBRID_SHARD" else n  # 2 x (N/2) layout (train.py)
+    padded = [estimate.padded_numel(x, shard) * b for x in blocks]
+    padded_root = estimate.padded_numel(root, shard) * b
+    total = sum(padded) + padded_root
+    if shard == 1:  # HYBRID at N = 2: nothing sharded, gradients all-reduced across the replicas
+        return {"all_reduce": 2 * total}, None
+    # backward gathers again what forward freed: every unit but the root (FULL_SHARD / HYBRID)
+    gather = total + (sum(padded) if option in ("FULL_SHARD", "HYBRID_SHARD") else 0)
+    out = {"all_gather": gather, "reduce_scatter": total}
+    if option == "HYBRID_SHARD":  # then each rank's gradient shard is all-reduced across the replicas
+        return {**out, "all_reduce": 2 * total // shard}, None
+    return out, option.lower()
+
+
+# --------------------------------------------------------------------------
+# One pair at one world size
+# --------------------------------------------------------------------------
+
 def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {ours: [], theirs: []}
+    moved: dict[str, float] = {}
+    losses: dict[str, list[float]] = {}
     for rep in range(cfg.repeats):
         order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
-        for name in order:
-            m = _run(cfg, name, world_size, track_memory=False, steps=cfg.steps)
-            times[name].append(_median_step(m, cfg.warmup))
-            print(f"  world {world_size}  repeat {rep + 1}/{cfg.repeats}  {name:<12} "
-                  f"{times[name][-1] * 1e3:8.1f} ms/step", flush=True)
+        for side in order:
+            m = _run(cfg, side, world_size, track_memory=False, steps=cfg.steps)
+            times[side].append(_median_step(m, cfg.warmup))
+            # bytes: rank 0 of the first run (every run moves the same); torch's are counted too
+            moved.setdefault(side, sum(m["bytes_per_step"][0].values()))
+            losses.setdefault(side, m["losses"])
+            print(f"  world {world_size}  repeat {rep + 1}/{cfg.repeats}  {side:<26} "
+                  f"{times[side][-1] * 1e3:8.1f} ms/step", flush=True)
     row: dict[str, Any] = {"world_size": world_size, "ours": ours, "theirs": theirs,
                            "step_s": {k: statistics.median(v) for k, v in times.items()},
-                           "step_s_all": times}
+                           "step_s_all": times, "bytes_per_step": moved, "losses": losses}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
+    row["same_losses"] = all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(losses[ours], losses[theirs]))
+    expected = expected_bytes(cfg.model, ours, world_size)
+    row["n_params"] = expected["n_params"]
+    row["bytes_expected"], row["bytes_expected_by_op"] = expected["total"], expected["by_op"]
+    row["bytes_paper"], row["bytes_paper_key"] = expected["paper"], expected["paper_key"]
+    row["bytes_match"] = moved[ours] == expected["total"]
     if cfg.memory:
-        peaks, moved = {}, {}
-        for name in (ours, theirs):
-            m = _run(cfg, name, world_size, track_memory=True, steps=2)
-            peaks[name] = max(p for p in m["peak_bytes"] if p is not None)
-            moved[name] = sum(m["bytes_per_step"][0].values())
-            row["n_params"] = m["n_params"]
-        row["peak_bytes"], row["bytes_per_step"] = peaks, moved
+        peaks = {}
+        for side in (ours, theirs):
+            m = _run(cfg, side, world_size, track_memory=True, steps=2)
+            peaks[side] = max(p for p in m["peak_bytes"] if p is not None)
+        row["peak_bytes"] = peaks
         row["peak_ratio"] = peaks[ours] / peaks[theirs]
-        strategy = ours.replace("-naive", "")
-        try:
-            row["bytes_formula"] = estimate.comm_bytes_per_step(row["n_params"], world_size, strategy,
-                                                                ring=False)["total"]
-        except (ValueError, KeyError):
-            row["bytes_formula"] = None
     return row
 
 
+_PAPER_LABEL = {"ddp": "2Ψ", "no_shard": "2Ψ", "oss": "3Ψ", "zero2": "2Ψ", "shard_grad_op": "2Ψ",
+                "full_shard": "3Ψ"}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
+    """The README table: one line per pair and world size."""
     mib = 2 ** 20
-    head = (f"| world | minifsdp | torch | step ms (ours / torch) | step ratio | peak MiB (ours / torch) "
-            f"| peak ratio | MiB moved per step (ours / torch / formula) |")
-    lines = [head, "|" + "---|" * 8]
+    head = ("| world | minifsdp | torch | step ms (ours / torch) | step ratio | peak MiB (ours / torch) "
+            "| peak ratio | MiB moved per step (ours / torch / expected) | paper | ours = expected | same losses |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
-        s = r["step_s"]
-        peak = r.get("peak_bytes", {})
-        moved = r.get("bytes_per_step", {})
-        peak_txt = f"{peak[r['ours']] / mib:.1f} / {peak[r['theirs']] / mib:.1f}" if peak else "-"
-        formula = r.get("bytes_formula")
-        theirs_moved = f"{moved[r['theirs']] / mib:.2f}" if moved.get(r["theirs"]) else "n/a"  # torch's C++ comm
-        moved_txt = (f"{moved[r['ours']] / mib:.2f} / {theirs_moved} / {formula / mib:.2f}"
-                     if moved and formula else "-")
-        lines.append(f"| {r['world_size']} | {r['ours']} | {r['theirs']} | {s[r['ours']] * 1e3:.1f} / "
-                     f"{s[r['theirs']] * 1e3:.1f} | {r['step_ratio']:.3f} | {peak_txt} | "
-                     f"{r.get('peak_ratio', float('nan')):.3f} | {moved_txt} |")
+        ours, theirs = r["ours"], r["theirs"]
+        s, peak, moved = r["step_s"], r.get("peak_bytes"), r["bytes_per_step"]
+        peak_txt = f"{peak[ours] / mib:.1f} / {peak[theirs] / mib:.1f}" if peak else "-"
+        peak_ratio = f"{r['peak_ratio']:.3f}" if peak else "-"
+        moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {r['bytes_expected'] / mib:.3f}"
+        paper = (f"{_PAPER_LABEL[r['bytes_paper_key']]} = {r['bytes_paper'] / mib:.3f}"
+                 if r["bytes_paper"] is not None else "-")
+        lines.append(f"| {r['world_size']} | {ours} | {theirs} | {s[ours] * 1e3:.1f} / {s[theirs] * 1e3:.1f} | "
+                     f"{r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
+                     f"{'yes' if r['bytes_match'] else 'NO'} | {'yes' if r['same_losses'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def run(cfg: BenchConfig) -> list[dict[str, Any]]:
-    for pair in cfg.pairs:
-        for name in pair.split(":"):
-            if name not in STRATEGIES:
-                raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
+    pairs = [parse_pair(p) for p in cfg.pairs]  # every error before the first run
     os.makedirs(cfg.out, exist_ok=True)
     rows = []
-    for pair in cfg.pairs:
-        ours, theirs = pair.split(":")
+    for ours, theirs in pairs:
         for world_size in cfg.world_sizes:
             print(f"{ours} vs {theirs}, {cfg.model}, world size {world_size}", flush=True)
             rows.append(bench_pair(cfg, ours, theirs, world_size))
@@ -133,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m minifsdp.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--pairs", nargs="+", default=["ddp:torch-ddp"], help="ours:theirs strategy pairs")
+    p.add_argument("--pairs", nargs="+", default=None,
+                   help="ours:theirs pairs, a side being strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named list of pairs (issue4: all)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -141,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--no-memory", action="store_true")
     a = p.parse_args(argv)
-    cfg = BenchConfig(model=a.model, world_sizes=tuple(a.world_sizes), pairs=tuple(a.pairs), steps=a.steps,
+    pairs = (*PRESETS.get(a.preset, ()), *(a.pairs or ())) or ("ddp:torch-ddp",)
+    cfg = BenchConfig(model=a.model, world_sizes=tuple(a.world_sizes), pairs=pairs, steps=a.steps,
                       warmup=a.warmup, repeats=a.repeats, batch_size=a.batch_size, out=a.out,
                       memory=not a.no_memory)
     try:

@@ -6,10 +6,15 @@ only a function that wraps the model and builds the optimizer:
     single      one process, the whole global batch (the yardstick)
     ddp-naive   all-reduce every gradient after backward   (minifsdp.ddp)
     ddp         bucketed all-reduce overlapped with backward (minifsdp.ddp)
-    torch-ddp   torch.nn.parallel.DistributedDataParallel (for comparison)
     zero1/zero2 optimizer-state / gradient sharding          (minifsdp.zero)
     fsdp        fully sharded data parallel                  (minifsdp.fsdp)
-    torch-fsdp  torch.distributed.fsdp (FSDP1 on CPU/gloo)   (for comparison)
+    torch-ddp, torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard)
+                PyTorch's own, for comparison                (torch_reference.py)
+
+``--sharding-strategy`` (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)
+applies to fsdp and torch-fsdp; torch-fsdp2 takes the first two. HYBRID_SHARD
+on one machine is 2 x (N/2): shard groups of N/2 consecutive ranks,
+replicated twice (at world size 2: shard 1 x replicate 2).
 
 The parity contract: with the same ``--seed``, ``--model`` and global batch,
 every strategy's ``losses`` in ``metrics.json`` equal ``--strategy single``'s
@@ -47,7 +52,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
-from . import data, dist, models, trace
+from . import data, dist, models, torch_reference, trace
 from .launch import launch
 
 # --------------------------------------------------------------------------
@@ -120,16 +125,6 @@ def _ddp(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
-@strategy("torch-ddp")
-def _torch_ddp(model: torch.nn.Module, cfg: TrainConfig):
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    device = dist.device()
-    wrapped = TorchDDP(model, device_ids=[device] if device.type == "cuda" else None,
-                       bucket_cap_mb=cfg.bucket_cap_mb)
-    return wrapped, _adamw(wrapped.parameters(), cfg)
-
-
 @strategy("zero1")
 def _zero1(model: torch.nn.Module, cfg: TrainConfig):
     from .zero import wrap_zero
@@ -154,11 +149,8 @@ def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
 
     policy = {"block": ModuleWrapPolicy({models.Block}), "none": None,
               "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)}[cfg.wrap]
-    groups = None
-    if cfg.sharding_strategy == "HYBRID_SHARD":
-        from .fsdp import init_hybrid_groups
-
-        groups = init_hybrid_groups(max(1, dist.world_size() // 2))
+    # HYBRID_SHARD on one machine: 2 x (N/2), the same groups torch-fsdp gets
+    groups = torch_reference.hybrid_groups() if cfg.sharding_strategy == "HYBRID_SHARD" else None
     wrapped = FSDP(model, process_group=groups, auto_wrap_policy=policy,
                    sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
                    backward_prefetch=BackwardPrefetch[cfg.prefetch] if cfg.prefetch != "NONE" else None,
@@ -166,49 +158,25 @@ def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
-def _torch_wrap_policy(cfg: TrainConfig) -> Any:
-    import functools
+# PyTorch's own implementations, for comparison (torch_reference.py): torch-ddp,
+# torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard).
+STRATEGIES.update(torch_reference.STRATEGIES)
 
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if cfg.wrap == "block":
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
-    if cfg.wrap == "size":
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)
-    return None
-
-
-@strategy("torch-fsdp")
-def _torch_fsdp(model: torch.nn.Module, cfg: TrainConfig):
-    """PyTorch's FSDP1; on CPU it runs with ``device_id=cpu`` (PLATFORM-NOTES)."""
-    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
-    wrapped = TorchFSDP(model, auto_wrap_policy=_torch_wrap_policy(cfg), device_id=dist.device(),
-                        sharding_strategy=getattr(ShardingStrategy, cfg.sharding_strategy),
-                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None))
-    return wrapped, _adamw(wrapped.parameters(), cfg)
-
-
-@strategy("torch-fsdp2")
-def _torch_fsdp2(model: torch.nn.Module, cfg: TrainConfig):
-    """PyTorch's FSDP2 (``fully_shard``): each Block, then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
-    reshard = cfg.sharding_strategy != "SHARD_GRAD_OP"
-    for module in model.modules():
-        if isinstance(module, models.Block) and cfg.wrap != "none":
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return model, _adamw(model.parameters(), cfg)
+# Which --sharding-strategy values a strategy accepts (the others ignore it).
+SHARDING_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fsdp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"), **torch_reference.SHARDING_OPTIONS}
 
 
 def validate(cfg: TrainConfig) -> None:
     """One-line errors that name the fix, before any process starts."""
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    options = SHARDING_OPTIONS.get(cfg.strategy)
+    if options is not None and cfg.sharding_strategy not in options:
+        raise ValueError(f"--strategy {cfg.strategy} does not take sharding strategy {cfg.sharding_strategy!r}; "
+                         f"choose one of: {', '.join(options)}")
+    if options is not None and cfg.sharding_strategy == "HYBRID_SHARD" and cfg.world_size % 2:
+        raise ValueError(f"HYBRID_SHARD here is 2 x (N/2) ranks: use an even --world-size, got {cfg.world_size}")
     if cfg.model not in models.MODEL_PRESETS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of: {', '.join(models.MODEL_PRESETS)}")
     if cfg.steps < 1:
@@ -254,7 +222,9 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     tracer = trace.Tracer(rank=rank, strategy=cfg.strategy)
     tracker = _memory_tracker(cfg, device)
     losses, step_times = [], []
-    with tracer, tracker or nullcontext():
+    # torch's strategies do not go through minifsdp.comm: count their collectives here
+    counter = torch_reference.count_collectives() if cfg.strategy in torch_reference.STRATEGIES else nullcontext()
+    with tracer, tracker or nullcontext(), counter:
         model = models.build_model(cfg.model, seed=cfg.seed).to(device)
         n_params = models.count_parameters(model)
         if tracker is not None:
@@ -305,13 +275,14 @@ def _memory_tracker(cfg: TrainConfig, device: torch.device) -> Any:
 def _global_mean(local: torch.Tensor) -> float:
     """Mean loss over the global batch: the mean of equal-sized rank slices.
 
-    Bookkeeping, not training traffic: it goes straight to torch.distributed so
-    it does not count in the strategy's bytes per step.
+    Bookkeeping, not training traffic: it goes straight to torch.distributed
+    (to its c10d module, past torch_reference's counter) so it does not count
+    in the strategy's bytes.
     """
     if dist.world_size() == 1:
         return local.item()
     t = local.detach().clone().reshape(1)
-    tdist.all_reduce(t)
+    tdist.distributed_c10d.all_reduce(t)
     return t.item() / dist.world_size()
 
 
@@ -417,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train")
     p.add_argument("--no-memory", action="store_true", help="skip memory tracking (faster)")
-    p.add_argument("--sharding-strategy", default="FULL_SHARD")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD",
+                   help="FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD (fsdp, torch-fsdp, torch-fsdp2)")
     p.add_argument("--wrap", default="block", choices=["none", "block", "size"])
     p.add_argument("--prefetch", default="BACKWARD_PRE")
     p.add_argument("--cpu-offload", action="store_true")

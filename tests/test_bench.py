@@ -1,26 +1,100 @@
-"""The benchmark driver runs both sides of a pair in one run and reports medians and ratios."""
+"""The benchmark: pairs with options, bytes moved equal the exact expected value (padding included), torch's counted."""
 
 import json
+import tempfile
 
 import pytest
+import torch.distributed as tdist
 
-from minifsdp import bench
+from minifsdp import bench, torch_reference
+from minifsdp.train import TrainConfig, train
+
+
+def _bytes(side: str, world: int) -> list[dict[str, float]]:
+    """Bytes per step by collective, every rank, of a 2-step gpt-tiny run (no memory tracking)."""
+    name, option = bench.parse_side(side)
+    with tempfile.TemporaryDirectory() as tmp:
+        m = train(TrainConfig(strategy=name, sharding_strategy=option or "FULL_SHARD", world_size=world,
+                              model="gpt-tiny", steps=2, batch_size=2 * world, quiet=True, out=tmp,
+                              track_memory=False, write_plots=False, timeout=120))
+    return m["bytes_per_step"]
+
+
+# minifsdp moves exactly what expected_bytes says, on every rank; world size 3 pads the flat parameters.
+@pytest.mark.parametrize("side,world", [
+    ("ddp", 2), ("zero1", 2), ("zero2", 2), ("fsdp@FULL_SHARD", 2), ("fsdp@SHARD_GRAD_OP", 2),
+    ("fsdp@NO_SHARD", 2), ("fsdp@HYBRID_SHARD", 4), ("fsdp@FULL_SHARD", 3), ("fsdp@SHARD_GRAD_OP", 3),
+])
+def test_ours_moves_exactly_expected(side, world):
+    expected = bench.expected_bytes("gpt-tiny", side, world)
+    for rank_bytes in _bytes(side, world):
+        assert rank_bytes == expected["by_op"], (side, world, rank_bytes, expected)
+
+
+def test_expected_bytes_padding_and_root_rule():
+    blocks, root = bench.unit_numels("gpt-tiny")
+    psi = 4 * (sum(blocks) + root)
+    full = bench.expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)
+    assert full["paper"] == 3 * psi and full["total"] == 3 * psi - 4 * root  # no padding at N = 2 here
+    padded = bench.expected_bytes("gpt-tiny", "fsdp@SHARD_GRAD_OP", 3)
+    assert padded["total"] > padded["paper"] == 2 * psi  # at N = 3 the units do not split evenly
+
+
+# torch's traffic, counted by torch_reference: FSDP1 moves what minifsdp's formula says
+# (3Ψ - Ψ_root for FULL_SHARD, padding included); DDP and ZeRO-1 the same as ours.
+@pytest.mark.parametrize("theirs,ours,world", [
+    ("torch-fsdp@FULL_SHARD", "fsdp@FULL_SHARD", 3), ("torch-fsdp@SHARD_GRAD_OP", "zero2", 2),
+    ("torch-fsdp@NO_SHARD", "fsdp@NO_SHARD", 2), ("torch-ddp", "ddp", 2), ("torch-zero1", "zero1", 2),
+])
+def test_torch_bytes_are_counted(theirs, ours, world):
+    counted = _bytes(theirs, world)[0]
+    if ours == "zero2":  # ours reduces to owners; torch reduce-scatters a flat parameter: the same total
+        expected = bench.expected_bytes("gpt-tiny", "fsdp@SHARD_GRAD_OP", world)["by_op"]
+    else:
+        expected = dict(bench.expected_bytes("gpt-tiny", ours, world)["by_op"])
+    if theirs == "torch-zero1":  # torch's DDP under ZeroRedundancyOptimizer also broadcasts buffers
+        expected["broadcast"] += bench.expected_bytes("gpt-tiny", "ddp", world)["by_op"]["broadcast"]
+    assert counted == expected
+
+
+def test_count_collectives_restores_torch():
+    before = tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced
+    with pytest.raises(RuntimeError):
+        with torch_reference.count_collectives():
+            assert tdist.all_reduce is not before[1]
+            raise RuntimeError("boom")
+    assert (tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced) == before
 
 
 def test_bench_pair_writes_ratios(tmp_path):
-    rows = bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), pairs=("ddp:torch-ddp",), steps=3,
-                                       warmup=1, repeats=2, out=str(tmp_path)))
+    pair = "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP"
+    rows = bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), pairs=(pair,), steps=3, warmup=1,
+                                       repeats=2, out=str(tmp_path)))
     saved = json.load(open(tmp_path / "bench.json"))
     assert saved["rows"] == json.loads(json.dumps(rows))
-    row = rows[0]
-    assert set(row["step_s_all"]) == {"ddp", "torch-ddp"} and all(len(v) == 2 for v in row["step_s_all"].values())
-    assert row["step_ratio"] == pytest.approx(row["step_s"]["ddp"] / row["step_s"]["torch-ddp"])
-    assert row["peak_ratio"] == pytest.approx(row["peak_bytes"]["ddp"] / row["peak_bytes"]["torch-ddp"])
-    # minifsdp's DDP moves exactly the formula's 2 x parameter bytes per step
-    assert row["bytes_per_step"]["ddp"] >= row["bytes_formula"] == 2 * 4 * row["n_params"]
-    assert "| 2 | ddp | torch-ddp |" in bench.table(rows)
+    row, (ours, theirs) = rows[0], pair.split(":")
+    assert set(row["step_s_all"]) == {ours, theirs} and all(len(v) == 2 for v in row["step_s_all"].values())
+    assert row["step_ratio"] == pytest.approx(row["step_s"][ours] / row["step_s"][theirs])
+    assert row["peak_ratio"] == pytest.approx(row["peak_bytes"][ours] / row["peak_bytes"][theirs])
+    assert row["bytes_per_step"][ours] == row["bytes_per_step"][theirs] == row["bytes_expected"]
+    assert row["bytes_match"] and row["same_losses"]
+    assert f"| 2 | {ours} | {theirs} |" in bench.table(rows) and "| 2Ψ = " in bench.table(rows)
 
 
-def test_bench_rejects_unknown_strategy(tmp_path):
-    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
-        bench.run(bench.BenchConfig(pairs=("ddp:nope",), out=str(tmp_path)))
+def test_every_preset_pair_parses():
+    assert len(bench.PRESETS["issue4"]) == 8
+    for pair in bench.PRESETS["issue4"]:
+        ours, theirs = bench.parse_pair(pair)
+        assert bench.expected_bytes("gpt-tiny", ours, 4)["total"] > 0 and theirs.startswith("torch-")
+
+
+@pytest.mark.parametrize("pair,message", [
+    ("ddp:nope", "unknown strategy 'nope'"),
+    ("fsdp@HALF_SHARD:torch-fsdp", "unknown option 'HALF_SHARD' for fsdp"),
+    ("torch-fsdp2@NO_SHARD:fsdp", "choose from: FULL_SHARD, SHARD_GRAD_OP"),
+    ("ddp@FULL_SHARD:torch-ddp", "'ddp' takes no @option"),
+    ("ddp", "a pair is ours:theirs"),
+])
+def test_bench_rejects_bad_pairs(tmp_path, pair, message):
+    with pytest.raises(ValueError, match=message):
+        bench.run(bench.BenchConfig(pairs=(pair,), out=str(tmp_path)))

@@ -30,6 +30,7 @@ def single(tmp_path_factory):
     ("zero1", 2, 1, {}), ("zero2", 4, 1, {}),
     ("fsdp", 2, 2, {}), ("fsdp", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}),
     ("fsdp", 2, 1, {"sharding_strategy": "SHARD_GRAD_OP", "wrap": "none"}), ("torch-fsdp", 2, 1, {}),
+    ("torch-zero1", 2, 1, {}), ("torch-fsdp", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}),
 ])
 def test_parity_with_single(tmp_path, single, strategy, world_size, grad_accum, extra):
     m = _run(tmp_path, strategy=strategy, world_size=world_size, grad_accum=grad_accum, track_memory=False, **extra)
@@ -65,6 +66,9 @@ def test_ddp_records_bytes_per_step(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--strategy", "ddp", "--world-size", "3", "--batch-size", "8"], "multiple of world size x grad accum = 3"),
     (["--out", "/proc/forbidden"], "is not writable"),
+    (["--strategy", "torch-fsdp2", "--sharding-strategy", "NO_SHARD"], "choose one of: FULL_SHARD, SHARD_GRAD_OP"),
+    (["--strategy", "fsdp", "--sharding-strategy", "HYBRID_SHARD", "--world-size", "3", "--batch-size", "6"],
+     "use an even --world-size"),
 ])
 def test_bad_input_one_line_error(argv, message):
     proc = subprocess.run([sys.executable, "-m", "minifsdp.train", *argv], capture_output=True, text=True,

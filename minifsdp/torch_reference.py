@@ -1,0 +1,245 @@
+"""PyTorch's own implementations, set up to be compared with minifsdp's, and a counter for their traffic.
+
+Front layer. The trainer (``minifsdp.train``) registers these builders next to
+its own strategies, so that ``--strategy torch-fsdp`` trains the same model on
+the same data as ``--strategy fsdp`` and the benchmark (``minifsdp.bench``)
+can put them side by side:
+
+    torch-ddp    torch.nn.parallel.DistributedDataParallel            vs  ddp
+    torch-zero1  DDP + torch.distributed.optim.ZeroRedundancyOptimizer vs  zero1
+    torch-fsdp   torch.distributed.fsdp.FullyShardedDataParallel (FSDP1; on CPU
+                 with ``device_id=cpu``), every ``ShardingStrategy``  vs  fsdp / zero2
+    torch-fsdp2  torch.distributed.fsdp.fully_shard (FSDP2)           vs  fsdp
+
+Each builder takes ``(model, cfg)`` (cfg: ``train.TrainConfig``) and returns
+``(model, optimizer)``.
+
+Counting torch's bytes. minifsdp's techniques send every collective through
+``minifsdp.comm``, which records it on the active tracer. PyTorch's do not,
+but their Python code looks the collectives up as attributes of the
+``torch.distributed`` module *at call time* (torch 2.13: ``dist.all_gather`` --
+the list form, on CPU -- in ``fsdp/_flat_param.py``, ``dist.all_gather_single``
+in ``fsdp/_fully_shard/_fsdp_collectives.py``, ``dist.reduce_scatter_single``
+in ``fsdp/_runtime_utils.py``, ``dist.all_reduce`` for NO_SHARD / HYBRID_SHARD,
+``dist.broadcast`` in ``optim/zero_redundancy_optimizer.py``,
+``dist._broadcast_coalesced`` for DDP's buffers before each forward). ``count_collectives()``
+swaps those attributes for recording wrappers while a torch strategy trains,
+so the tracer sees torch's calls in the same units as minifsdp's
+(``comm.collective_bytes``: an all-gather of a Ψ-byte tensor moves Ψ, an
+all-reduce 2Ψ). torch DDP's all-reduce is issued from C++ (the Reducer), out
+of reach of such a patch: a DDP communication hook (``register_comm_hook``)
+hands each bucket back to Python, where torch's own default ``allreduce_hook``
+calls ``dist.all_reduce`` -- which the counter then sees.
+
+    >>> with count_collectives():        # on every rank of a torch-fsdp run
+    ...     loss = model(x).sum(); loss.backward()
+    >>> trace.active_tracer().trace.bytes_by_op()
+    {'all_gather': ..., 'reduce_scatter': ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as tdist
+
+from . import comm, dist, models, trace
+
+__all__ = ["STRATEGIES", "SHARDING_OPTIONS", "count_collectives", "torch_ddp", "torch_zero1", "torch_fsdp",
+           "torch_fsdp2", "hybrid_groups"]
+
+
+# --------------------------------------------------------------------------
+# Counting: wrap torch.distributed's collectives while a torch strategy runs
+# --------------------------------------------------------------------------
+
+# torch.distributed attribute -> (op name in the trace, its parameters in order, the
+# parameter holding the *full* tensor(s): all-gather output, reduce-scatter input).
+# Old and new names both: torch 2.13's FSDP2 calls the new ``*_single`` names, FSDP1
+# on CPU the list ``all_gather``, DDP's buffer sync ``_broadcast_coalesced`` (C++
+# underneath, but looked up here). The old names forward to distributed_c10d's
+# module globals, not to these attributes, so no call is counted twice.
+_GATHER = ("output_tensor", "input_tensor", "group", "async_op")
+_SCATTER = ("output", "input", "op", "group", "async_op")
+_COUNTED: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "all_gather_single": ("all_gather", _GATHER, "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", _GATHER, "output_tensor"),
+    "_all_gather_base": ("all_gather", _GATHER, "output_tensor"),
+    "all_gather": ("all_gather", ("tensor_list", "tensor", "group", "async_op"), "tensor_list"),
+    "reduce_scatter_single": ("reduce_scatter", _SCATTER, "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", _SCATTER, "input"),
+    "_reduce_scatter_base": ("reduce_scatter", _SCATTER, "input"),
+    "all_reduce": ("all_reduce", ("tensor", "op", "group", "async_op"), "tensor"),
+    "broadcast": ("broadcast", ("tensor", "src", "group", "async_op"), "tensor"),
+    "_broadcast_coalesced": ("broadcast", ("group", "tensors", "buffer_size", "src"), "tensors"),
+}
+
+
+def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    op, params, full = _COUNTED[name]
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        work = original(*args, **kwargs)
+        tracer = trace.active_tracer()
+        if tracer is not None:
+            bound = {**dict(zip(params, args)), **kwargs}
+            tensors = bound[full] if isinstance(bound[full], (list, tuple)) else [bound[full]]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            size = dist.world_size(bound.get("group", bound.get("process_group")))
+            # Recorded when the call returns. An async_op call has then only been
+            # *issued*: its bytes are right, its span covers the issue, not the
+            # transfer (torch keeps the Work and waits on it in its own code).
+            tracer.add_span(op, trace.COMM, start, time.perf_counter(), **comm.collective_bytes(op, nbytes, size),
+                            group_size=size, dtype=str(tensors[0].dtype).replace("torch.", "") if tensors else "",
+                            numel=sum(t.numel() for t in tensors), async_op=bool(bound.get("async_op", False)),
+                            source="torch")
+        return work
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[None]:
+    """Inside: each torch.distributed collective called by Python code leaves a comm span on the active tracer.
+
+    Undone on exit, exceptions included. minifsdp's own strategies must not run
+    inside (``comm`` calls ``torch.distributed`` too and would be counted twice).
+    """
+    saved = {name: getattr(tdist, name) for name in _COUNTED if hasattr(tdist, name)}
+    try:
+        for name, original in saved.items():
+            setattr(tdist, name, _recording(name, original))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(tdist, name, original)
+
+
+def _count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Route DDP's bucket all-reduce through Python, where ``count_collectives`` sees it.
+
+    torch's ``allreduce_hook`` does what the C++ default does (divide by N,
+    all-reduce, return the future); the difference is one Python call per
+    bucket (measured: see bench.py's docstring).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
+
+
+# --------------------------------------------------------------------------
+# The torch strategies (builders: (model, cfg) -> (model, optimizer))
+# --------------------------------------------------------------------------
+
+# Which cfg.sharding_strategy values a strategy accepts (the others ignore it).
+SHARDING_OPTIONS: dict[str, tuple[str, ...]] = {
+    "torch-fsdp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+    "torch-fsdp2": ("FULL_SHARD", "SHARD_GRAD_OP"),
+}
+
+
+def _adamw(params: Any, cfg: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _ddp(model: torch.nn.Module, cfg: Any) -> torch.nn.parallel.DistributedDataParallel:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    device = dist.device()
+    wrapped = TorchDDP(model, device_ids=[device] if device.type == "cuda" else None,
+                       bucket_cap_mb=cfg.bucket_cap_mb)
+    _count_ddp_buckets(wrapped)
+    return wrapped
+
+
+def torch_ddp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """torch's DDP + AdamW: the reference for minifsdp.ddp (2Ψ per step)."""
+    wrapped = _ddp(model, cfg)
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+def torch_zero1(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """torch's DDP + ZeroRedundancyOptimizer(AdamW): ZeRO-1, the reference for minifsdp's zero1 (OSS).
+
+    Gradients are all-reduced whole (DDP, 2Ψ); each rank steps the AdamW
+    state of the parameters it owns, then broadcasts them (Ψ): 3Ψ per step,
+    the same traffic as minifsdp's OSS (the ZeRO paper's ZeRO-1 counts 2Ψ with
+    a reduce-scatter instead; both torch and FairScale do the all-reduce).
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    wrapped = _ddp(model, cfg)
+    optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW,
+                                        lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return wrapped, optimizer
+
+
+def hybrid_groups() -> tuple[Any, Any]:
+    """(shard group, replicate group) for HYBRID_SHARD on one machine: 2 x (N/2).
+
+    Shard groups of N/2 consecutive ranks, replicated twice: with 4 ranks shard
+    {0,1} {2,3}, replicate {0,2} {1,3}; with 2 ranks shard {0} {1} (groups of
+    one: nothing is sharded), replicate {0,1}. minifsdp's fsdp builds the same
+    pair, so both sides move the same bytes over the same groups.
+    """
+    from .fsdp import init_hybrid_groups
+
+    return init_hybrid_groups(max(1, dist.world_size() // 2))
+
+
+def _torch_wrap_policy(cfg: Any) -> Any:
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if cfg.wrap == "block":
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
+    if cfg.wrap == "size":
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)
+    return None
+
+
+def torch_fsdp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """torch's FSDP1 with ``cfg.sharding_strategy``; on CPU it needs ``device_id=cpu`` (PLATFORM-NOTES).
+
+    SHARD_GRAD_OP is torch's ZeRO-2 (its docs: "similar to ZeRO-2"), so it
+    is also the reference for minifsdp's zero2. HYBRID_SHARD takes the
+    ``hybrid_groups()`` pair as ``process_group=(shard, replicate)``.
+    """
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    strategy = ShardingStrategy[cfg.sharding_strategy]
+    groups = hybrid_groups() if strategy == ShardingStrategy.HYBRID_SHARD else None
+    wrapped = TorchFSDP(model, process_group=groups, auto_wrap_policy=_torch_wrap_policy(cfg),
+                        device_id=dist.device(), sharding_strategy=strategy,
+                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None))
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """torch's FSDP2 (``fully_shard``): each Block, then the root.
+
+    FULL_SHARD = ``reshard_after_forward=True``, SHARD_GRAD_OP = False.
+    FSDP2 shards each parameter on dim 0 (padding each one), not one flat
+    parameter per unit, so its padding differs from FSDP1's and minifsdp's.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
+    reshard = cfg.sharding_strategy == "FULL_SHARD"
+    for module in model.modules():
+        if isinstance(module, models.Block) and cfg.wrap != "none":
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, _adamw(model.parameters(), cfg)
+
+
+STRATEGIES: dict[str, Callable[[torch.nn.Module, Any], tuple[torch.nn.Module, torch.optim.Optimizer]]] = {
+    "torch-ddp": torch_ddp, "torch-zero1": torch_zero1, "torch-fsdp": torch_fsdp, "torch-fsdp2": torch_fsdp2,
+}
