@@ -98,3 +98,11 @@ def test_every_preset_pair_parses():
 def test_bench_rejects_bad_pairs(tmp_path, pair, message):
     with pytest.raises(ValueError, match=message):
         bench.run(bench.BenchConfig(pairs=(pair,), out=str(tmp_path)))
+
+
+def test_bench_checks_every_run_before_the_first(tmp_path):
+    with pytest.raises(ValueError, match="use an even --world-size"):
+        bench.run(bench.BenchConfig(model="gpt-tiny", pairs=bench.PRESETS["issue4"], world_sizes=(2, 3),
+                                    batch_size=6, out=str(tmp_path / "hybrid")))
+    with pytest.raises(ValueError, match="multiple of world size"):
+        bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(3,), out=str(tmp_path / "batch")))
