@@ -462,3 +462,98 @@ def test_repr_reads_like_torch_fsdp():
     assert "LayerNorm((32,), eps=1e-05, elementwise_affine=True, bias=True)" in out["fresh"]
     assert out["fresh"] == out["torch"] == out["after_step"] == out["after_summon"]
     assert out["n_layer"] == build_model("gpt-tiny").config.n_layer
+
+
+# --------------------------------------------------------------------------
+# param_init_fn: a model built on the meta device, materialized by FSDP before flattening
+# --------------------------------------------------------------------------
+def _seeded_init(module, name):
+    """A user's deterministic per-module init: values drawn from a generator seeded by the module's name."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    with torch.no_grad():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None:
+                t.copy_(torch.ones_like(t).triu(1) if t.dtype == torch.bool else torch.randn(t.shape, generator=g) / 8)
+
+
+def _gpt_losses(model, steps=3):
+    from minifsdp.models import lm_loss
+
+    n, r = (tdist.get_world_size(), tdist.get_rank()) if isinstance(model, FSDP) else (1, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        data = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(step))
+        rows = slice(r * 8 // n, (r + 1) * 8 // n)
+        loss = lm_loss(model(data[rows, :-1]), data[rows, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        if isinstance(model, FSDP):
+            tdist.all_reduce(loss)
+        losses.append(loss.item() / n)
+    return losses
+
+
+def _meta_gpt():
+    from minifsdp.models import Block, build_model
+
+    meta = build_model("gpt-tiny", device="meta", tie_embeddings=True)  # to_empty unties; FSDP re-ties
+    names = {id(m): name for name, m in meta.named_modules()}
+    called = []
+
+    def param_init_fn(m):
+        called.append(names[id(m)])
+        m.to_empty(device=torch.device("cpu"), recurse=False)
+        _seeded_init(m, names[id(m)])
+    model = FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=param_init_fn)
+    return sorted(called), _gpt_losses(model)
+
+
+def test_param_init_fn_materializes_a_meta_model_like_one_built_normally():
+    from minifsdp.models import build_model
+
+    ref = build_model("gpt-tiny", seed=0, tie_embeddings=True)
+    seen = set()  # the tied head.weight keeps tok_emb's values (its first owner), as FSDP re-ties it
+    for name, m in ref.named_modules():
+        if not any(id(t) in seen for t in m.parameters(recurse=False)):
+            _seeded_init(m, name)
+        seen.update(id(t) for t in m.parameters(recurse=False))
+    ref_losses = _gpt_losses(ref)
+    called, losses = launch(_meta_gpt, 2, timeout=120)[0]
+    assert called == sorted(name for name, _ in ref.named_modules())  # once per module, as torch
+    torch.testing.assert_close(losses, ref_losses, atol=ATOL, rtol=RTOL)
+
+
+def _meta_defaults_and_errors():
+    from minifsdp.models import build_model
+
+    def make():
+        return nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.Sequential(nn.Linear(7, 3)))
+    with torch.device("meta"):
+        meta = make()
+    torch.manual_seed(0)  # reset_parameters() draws from the global RNG, in construction order
+    model = FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    errors = []
+    for fn in (None, lambda m: None):
+        try:
+            FSDP(build_model("gpt-tiny", device="meta"), param_init_fn=fn)
+        except ValueError as e:
+            errors.append(str(e))
+    return sd, errors
+
+
+def test_meta_model_without_param_init_fn_uses_reset_parameters_or_names_the_fix():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.Sequential(nn.Linear(7, 3))).state_dict()
+    sd, errors = launch(_meta_defaults_and_errors, 2, timeout=60)[1]
+    assert sorted(sd) == sorted(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    assert len(errors) == 2
+    assert errors[0].startswith("module 'blocks.0.attn' (CausalSelfAttention) is on the meta device and has no "
+                                "reset_parameters()") and "param_init_fn=fn" in errors[0]
+    assert errors[1].startswith("param_init_fn left ['tok_emb.weight'") and "module.to_empty(" in errors[1]

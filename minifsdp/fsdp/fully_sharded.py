@@ -39,7 +39,7 @@ from .. import comm, dist, trace
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
 from .options import (WRAPPED, clean_name, groups, install_optimizer_check, managed_buffers, managed_params,
-                      resolve_mixed_precision, resolve_strategy)
+                      materialize_meta, resolve_mixed_precision, resolve_strategy)
 
 __all__ = ["FullyShardedDataParallel", "MAX_UNSHARDED_UNITS"]
 
@@ -74,7 +74,8 @@ class FullyShardedDataParallel(nn.Module):
     * ``use_orig_params``: False (default): ``model.parameters()`` yields one flat
       shard per unit. True: the original parameters, each a 1-D view of its
       piece of the shard (per-parameter optimizer groups work).
-    * Not implemented: ``param_init_fn`` (build the model on a real device first).
+    * ``param_init_fn``: a model built on the meta device is materialized before
+      flattening, by ``param_init_fn(module)`` or ``reset_parameters()`` (``options.materialize_meta``).
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
@@ -90,9 +91,6 @@ class FullyShardedDataParallel(nn.Module):
         dist.require_initialized("FullyShardedDataParallel")
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
-        if param_init_fn is not None:
-            raise NotImplementedError("minifsdp has no deferred initialization (param_init_fn); build the "
-                                      "model on a real device, then wrap it")
         install_optimizer_check()
         strategy = resolve_strategy(sharding_strategy or ShardingStrategy.FULL_SHARD, reshard_after_forward)
         mp = resolve_mixed_precision(mixed_precision)
@@ -107,6 +105,7 @@ class FullyShardedDataParallel(nn.Module):
         self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
         self.compute_device = (torch.device("cuda", device_id) if isinstance(device_id, int)
                                else torch.device(device_id) if device_id is not None else dist.device())
+        materialize_meta(module, param_init_fn, ignored_modules, self.compute_device, FullyShardedDataParallel)
         if device_id is not None:
             module.to(self.compute_device)
         if auto_wrap_policy is not None:  # wrap the children first, with the same options

@@ -9,6 +9,8 @@ reads as one training step:
   (``init_hybrid_groups``), FULL_SHARD / SHARD_GRAD_OP "shard across all";
 * ``managed_params``: which parameters a unit flattens (not those of nested
   units or ignored modules), with the tied-weights-across-units check;
+* ``materialize_meta``: deferred initialization -- a model built on the meta
+  device gets real tensors (``param_init_fn``, or ``reset_parameters()``);
 * the guard that catches an optimizer built before wrapping, and
   ``all_ranks_enter``, which turns "one rank called a collective alone" (a
   hang) into an error naming the absent ranks.
@@ -16,9 +18,10 @@ reads as one training step:
 
 from __future__ import annotations
 
+import collections
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
@@ -28,7 +31,7 @@ from .. import dist
 from .api import MixedPrecision, ShardingStrategy
 from .flat_param import FLATTENED_MARK, RETIRED_MARK
 
-__all__ = ["clean_name", "managed_params", "managed_buffers", "resolve_strategy", "resolve_mixed_precision",
+__all__ = ["clean_name", "managed_params", "managed_buffers", "materialize_meta", "resolve_strategy", "resolve_mixed_precision",
            "groups", "init_hybrid_groups", "install_optimizer_check", "all_ranks_enter", "WRAPPED", "HYBRID",
            "ENTRY_TIMEOUT_S"]
 
@@ -77,6 +80,66 @@ def managed_buffers(module: nn.Module, ignored: set[nn.Module], device: torch.de
                     m._buffers[name] = b = b.to(device)
                     out.append(b)
     return out
+
+
+def materialize_meta(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None,
+                     ignored_modules: Any, device: torch.device, unit_cls: type) -> None:
+    """Give a module built on the meta device real tensors before it is flattened (torch FSDP1's contract).
+
+    Nothing happens unless a parameter or buffer below ``module`` (outside units and
+    ignored modules) is on the meta device. Then, visiting ``module`` and its
+    descendants breadth-first:
+
+    * with ``param_init_fn``: ``param_init_fn(m)`` is called on *every* visited
+      module, which must materialize (e.g. ``m.to_empty(device=..., recurse=False)``)
+      and initialize ``m``'s own tensors;
+    * without: each module that owns tensors gets ``m.to_empty(device, recurse=False)``
+      and ``m.reset_parameters()`` (what torch does; built-in layers have one).
+
+    ``to_empty`` gives every module a tensor of its own, which silently unties
+    weights (GPT's head and token embedding); a parameter two modules shared on
+    the meta device is shared again afterwards (the first owner's values win).
+
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())      # no memory, no init yet
+        FSDP(model, param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
+    """
+    ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
+    modules, queue = [], collections.deque([module])
+    while queue:  # breadth-first, stopping at nested units and ignored modules (as torch does)
+        m = queue.popleft()
+        modules.append(m)
+        queue.extend(c for c in m.children() if not isinstance(c, unit_cls) and c not in ignored)
+    owned = [(m, name, t) for m in modules for name, t in [*m._parameters.items(), *m._buffers.items()]
+             if t is not None]
+    if not any(t.is_meta for *_, t in owned):
+        return
+    first_owner: dict[int, tuple[nn.Module, str]] = {}
+    ties = []  # (module, name, first module, first name) of parameters seen twice
+    for m, name, t in owned:
+        if id(t) in first_owner and name in m._parameters:
+            ties.append((m, name, *first_owner[id(t)]))
+        first_owner.setdefault(id(t), (m, name))
+    names = {id(m): path for path, m in module.named_modules()}
+    with torch.no_grad():
+        for m in modules:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif any(t is not None and t.is_meta for t in [*m._parameters.values(), *m._buffers.values()]):
+                if not hasattr(m, "reset_parameters"):
+                    raise ValueError(f"module {names[id(m)] or 'root'!r} ({type(m).__name__}) is on the meta device "
+                                     "and has no reset_parameters() "
+                                     "to initialize it; pass FSDP(..., param_init_fn=fn) where fn(module) materializes "
+                                     "and initializes it, or build the model on a real device")
+                m.to_empty(device=device, recurse=False)
+                m.reset_parameters()
+    for m, name, first, first_name in ties:
+        m._parameters[name] = first._parameters[first_name]
+    left = [f"{names[id(m)]}.{name}".lstrip(".") for m in modules for name, t in [*m._parameters.items(), *m._buffers.items()]
+            if t is not None and t.is_meta]
+    if left:
+        raise ValueError(f"param_init_fn left {left[:4]} on the meta device; it must materialize every module it is "
+                         "given, e.g. module.to_empty(device=..., recurse=False), then initialize it")
 
 
 def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | None) -> ShardingStrategy:
