@@ -53,7 +53,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "issue4": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
                "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
                "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
-               "fsdp@FULL_SHARD:torch-fsdp2"),
+               "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
 }
 LOSS_RTOL = 1e-5  # fp32, a few AdamW steps: as tests/test_train.py
 

@@ -224,15 +224,18 @@ def torch_fsdp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch
 def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """torch's FSDP2 (``fully_shard``): each Block, then the root.
 
-    FULL_SHARD = ``reshard_after_forward=True``, SHARD_GRAD_OP = False.
-    FSDP2 shards each parameter on dim 0 (padding each one), not one flat
-    parameter per unit, so its padding differs from FSDP1's and minifsdp's.
+    FULL_SHARD = ``reshard_after_forward=None``: FSDP2's default, True for
+    every unit but the root, which keeps its parameters for backward (as FSDP1
+    and minifsdp do; an explicit True would regather the root in backward).
+    SHARD_GRAD_OP = False. FSDP2 shards each parameter on dim 0 (padding each
+    one), not one flat parameter per unit, so its padding differs from FSDP1's
+    and minifsdp's.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
-    reshard = cfg.sharding_strategy == "FULL_SHARD"
+    reshard = None if cfg.sharding_strategy == "FULL_SHARD" else False
     for module in model.modules():
         if isinstance(module, models.Block) and cfg.wrap != "none":
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)

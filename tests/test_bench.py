@@ -45,6 +45,7 @@ def test_expected_bytes_padding_and_root_rule():
 @pytest.mark.parametrize("theirs,ours,world", [
     ("torch-fsdp@FULL_SHARD", "fsdp@FULL_SHARD", 3), ("torch-fsdp@SHARD_GRAD_OP", "zero2", 2),
     ("torch-fsdp@NO_SHARD", "fsdp@NO_SHARD", 2), ("torch-ddp", "ddp", 2), ("torch-zero1", "zero1", 2),
+    ("torch-fsdp2", "fsdp@FULL_SHARD", 2),  # gpt-tiny's dims are even: FSDP2's per-parameter padding is nil
 ])
 def test_torch_bytes_are_counted(theirs, ours, world):
     counted = _bytes(theirs, world)[0]
@@ -82,7 +83,7 @@ def test_bench_pair_writes_ratios(tmp_path):
 
 
 def test_every_preset_pair_parses():
-    assert len(bench.PRESETS["issue4"]) == 8
+    assert len(bench.PRESETS["issue4"]) == 9
     for pair in bench.PRESETS["issue4"]:
         ours, theirs = bench.parse_pair(pair)
         assert bench.expected_bytes("gpt-tiny", ours, 4)["total"] > 0 and theirs.startswith("torch-")
