@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--pairs", nargs="+", default=None,
-                   help="ours:theirs pairs, a side being strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
+                   help="ours:theirs pairs; a side is strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named list of pairs (issue4: all)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
