@@ -91,6 +91,11 @@ def test_backward_prefetch_moves_the_next_all_gather(prefetch):
         assert post_b2 < gather < pre_b1
     else:                              # on demand, when blocks.1's own backward starts
         assert pre_b1 < gather
+    # Each unit is gathered once per forward and once per backward, whatever the prefetch (the root
+    # stays unsharded from its forward to its backward): with BACKWARD_POST the root's post-backward,
+    # which runs last, must not prefetch blocks.2 again (its backward ran first).
+    gathers = {u: sum(1 for s in spans if s[0] == "all_gather" and s[3] == u) for u in {s[3] for s in spans}}
+    assert {u: n for u, n in gathers.items() if n} == {"root": 2, "blocks.0": 4, "blocks.1": 4, "blocks.2": 4}
     # every collective names its unit; every unit is freed after use
     assert all(s[3] for s in spans if s[1] == "comm")
     assert {s[3] for s in spans if s[0].startswith("reshard")} >= {"blocks.0", "blocks.1", "blocks.2", "root"}
@@ -135,6 +140,51 @@ def test_limit_all_gathers_bounds_unsharded_units():
     assert limited["peak_unsharded_units"] == 2 and limited["prefetches_skipped"] >= 1
     assert free["peak_unsharded_units"] == 3 and free["prefetches_skipped"] == 0
     assert l1 == l2
+
+
+# --------------------------------------------------------------------------
+# Peak memory against torch's FSDP1, measured by the same tracker
+# --------------------------------------------------------------------------
+def _peaks(backward_prefetch):
+    """Peak bytes over 2 steps of a model whose memory is mostly gradients (4 units of 2 Linear(128, 128),
+    batch 2), ours then torch FSDP1's; a peak only falls if an async collective frees its buffer early."""
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch, FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from minifsdp.memory import MemoryTracker
+
+    def peak(wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128))
+                                for _ in range(4)])
+        tracker = MemoryTracker()
+        with tracker:
+            tracker.track_model(model)
+            model = wrap(model)
+            tracker.track_model(model)
+            opt = torch.optim.AdamW(model.parameters())
+            for step in range(2):
+                model(torch.randn(2, 128, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        tracker.close()
+        return tracker.peak_total
+
+    ours = peak(lambda m: FSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+                               backward_prefetch=BackwardPrefetch[backward_prefetch]))
+    theirs = peak(lambda m: TorchFSDP(m, auto_wrap_policy=TorchPolicy({nn.Sequential}), device_id=torch.device("cpu"),
+                                      backward_prefetch=TorchPrefetch[backward_prefetch]))
+    return ours, theirs
+
+
+@pytest.mark.parametrize("n, prefetch", [(2, "BACKWARD_PRE"), (3, "BACKWARD_POST")])
+def test_peak_memory_at_most_torch_fsdp(n, prefetch):
+    # Pins the fix of parameter views made by one split: a slice per parameter made backward build one
+    # full-size zero-padded gradient per parameter, ours was 1.136x torch's peak here at n=2, 1.18x at n=3.
+    # Both sides are equal in most runs; 1 %: gloo's threads occasionally shift a few KiB in either's peak
+    # (seen: +2 KiB ours, +63 KiB torch's, about 1 run in 20).
+    for rank, (ours, theirs) in enumerate(launch(_peaks, n, prefetch, timeout=120)):
+        assert ours <= 1.01 * theirs, f"rank {rank}: peak {ours} B, torch FSDP1 {theirs} B"
 
 
 # --------------------------------------------------------------------------

@@ -214,8 +214,22 @@ class FlatParamHandle:
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
 
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``full`` shaped like the original parameters, one per info (tied ones repeat)."""
-        return [full[i.offset:i.offset + i.numel].view(i.shape) for i in self.infos]
+        """Views of ``full`` shaped like the original parameters, one per info (tied ones repeat).
+
+        Made by one ``split`` rather than one slice per parameter, for backward's
+        memory: autograd's backward of a slice is a zero-filled tensor as large as
+        ``full`` with the slice's gradient written in, so k slices meant k full-size
+        temporaries (summed pairwise, three alive at once). ``split``'s backward
+        concatenates the k gradients once into one full-size gradient (torch's FSDP
+        makes its views with ``split`` too). The padding is the last, unused piece.
+        """
+        sizes = [i.numel for i in self.unique_infos]
+        pieces = torch.split(full, sizes + [full.numel() - sum(sizes)])
+        unique = iter(pieces)
+        views: list[torch.Tensor] = []
+        for i in self.infos:
+            views.append(views[i.shared_with] if i.shared_with is not None else next(unique).view(i.shape))
+        return views
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full flat tensor."""

@@ -188,6 +188,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fwd_order: list[FullyShardedDataParallel] = []
         self._prev_fwd_order: list[FullyShardedDataParallel] = []
         self._post_order: list[FullyShardedDataParallel] = []
+        self._bwd_started: set[FullyShardedDataParallel] = set()  # units whose backward began, this pass
         self._pending_reduce: Callable[[], None] | None = None
         self._callback_queued = False
         self.stats = {"peak_unsharded_units": 0, "prefetches": 0, "prefetches_skipped": 0}
@@ -212,6 +213,7 @@ class FullyShardedDataParallel(nn.Module):
         if root is self:  # a new iteration: remember the last one's order for forward prefetch
             root._prev_fwd_order = root._fwd_order or root._prev_fwd_order
             root._fwd_order, root._post_order = [], []
+            root._bwd_started.clear()
         root._fwd_order.append(self)
         self._training_state = _FORWARD
         for h in self._handles:
@@ -253,43 +255,56 @@ class FullyShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         first = self._training_state != _BACKWARD
         self._training_state = _BACKWARD
+        root._bwd_started.add(self)
         with trace.span(f"pre_backward {self._name}", unit=self._name):
             for h in self._handles:
                 h.unshard()
             root._note_unsharded()
             if first and self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-                root._prefetch(_next(self, root._post_order[::-1]))
+                root._prefetch_for_backward(self)
 
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs once ``_full.grad`` holds this unit's gradient: reduce it, free the parameters."""
         root = self._root
         with trace.span(f"post_backward {self._name}", unit=self._name):
             if self._sync_grads:
-                root._queue_reduce(handle.reduce_grad(self._dp_size))
+                # Finish the previous unit's reduction *before* starting this one (it had this
+                # unit's whole backward to overlap with), so the reductions in flight never hold
+                # more than one unit's full-size gradient.
+                root._wait_reduce()
+                root._pending_reduce = handle.reduce_grad(self._dp_size)
             else:  # under no_sync() the unsharded gradient stays and accumulates
                 label(handle._full.grad, UNSHARDED_GRADS)
             handle.reshard()
             self._training_state = _IDLE
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-                root._prefetch(_next(self, root._post_order[::-1]))
+                root._prefetch_for_backward(self)
 
-    def _queue_reduce(self, finish: Callable[[], None] | None) -> None:
-        """At most one reduction in flight: it overlaps the next unit's backward."""
+    def _wait_reduce(self) -> None:
+        """At most one reduction in flight: it overlaps the next unit's backward; finish it now."""
         if self._pending_reduce is not None:
-            self._pending_reduce()
-        self._pending_reduce = finish
+            finish, self._pending_reduce = self._pending_reduce, None
+            finish()
 
     def _finish_backward(self) -> None:
         """End of backward (root): wait for the last reduction; reshard units whose hooks never ran."""
         with trace.span("finish_backward", unit=self._name):
-            self._queue_reduce(None)
+            self._wait_reduce()
             for unit in self._units:
                 for h in unit._handles:
                     h.reshard()
                 unit._training_state = _IDLE
             self._callback_queued = False
+            self._bwd_started.clear()
 
     # -- prefetch and the all-gather limit ----------------------------------------------
+    def _prefetch_for_backward(self, unit: FullyShardedDataParallel) -> None:
+        """Prefetch the unit whose backward follows ``unit``'s: the next in reversed forward-exit order
+        whose backward has not begun. Skipping those that began matters for BACKWARD_POST: the root's
+        post-backward runs last, and the unit after it in that order finished long ago (a wasted gather)."""
+        order = [u for u in self._post_order[::-1] if u is unit or u not in self._bwd_started]
+        self._prefetch(_next(unit, order))
+
     def _unsharded_units(self) -> list[FullyShardedDataParallel]:
         return [u for u in self._units if u is not self and any(
             not h.aliased and (h.is_unsharded() or h._pending) for h in u._handles)]
