@@ -4,9 +4,11 @@
   the single-process AdamW state (fp32 tolerance ATOL/RTOL).
 * save -> stop -> load into a fresh process group -> continue gives
   bit-identical losses (same world size), for FULL and SHARDED checkpoints.
-* a FULL checkpoint loads at another world size (losses within tolerance).
+* a FULL checkpoint loads at another world size (losses within tolerance), and so
+  does a ``save_sharded`` folder (model and optimizer) saved at 2 ranks, at 1, 3, 4.
 """
 
+import shutil
 import time
 
 import pytest
@@ -15,7 +17,7 @@ import torch.distributed as tdist
 
 from minifsdp import WorkerError, launch
 from minifsdp.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP,
-                           ModuleWrapPolicy, StateDictType)
+                           ModuleWrapPolicy, StateDictType, load_sharded, save_sharded)
 
 ATOL, RTOL = 1e-5, 1e-4
 GLOBAL_BATCH, SEQ = 8, 16
@@ -60,6 +62,7 @@ def _save_then_continue(path):
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
     torch.save(sharded, f"{path}/sharded-rank{r}.pt")
+    save_sharded(f"{path}/folder", model, opt)
     after = _steps(model, opt, 2, 2)
     return {"after": after, "full_keys": sorted(full["model"]), "full_empty_off_rank0": r != 0 and full == {
         "model": {}, "optim": {}}, "full_optim": full["optim"] if r == 0 else None,
@@ -70,6 +73,9 @@ def _load_then_continue(path, kind):
     r = tdist.get_rank()
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    if kind == "folder":
+        load_sharded(f"{path}/folder", model, opt)
+        return _steps(model, opt, 2, 2)
     file = f"{path}/full.pt" if kind == "full" else f"{path}/sharded-rank{r}.pt"
     ckpt = torch.load(file, weights_only=False)
     sd_type = StateDictType.FULL_STATE_DICT if kind == "full" else StateDictType.SHARDED_STATE_DICT
@@ -121,10 +127,29 @@ def test_full_checkpoint_loads_at_another_world_size(saved):
     torch.testing.assert_close(resumed[0], outs[0]["after"], atol=ATOL, rtol=RTOL)
 
 
-def test_sharded_checkpoint_at_another_world_size_names_the_fix(saved):
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_sharded_folder_loads_at_another_world_size(saved, n):
+    path, outs = saved
+    resumed = launch(_load_then_continue, n, str(path), "folder", timeout=120)
+    torch.testing.assert_close(resumed[0], outs[0]["after"], atol=ATOL, rtol=RTOL)
+
+
+def test_sharded_folder_resume_at_the_same_world_size_is_bit_exact(saved):
+    path, outs = saved
+    assert launch(_load_then_continue, 2, str(path), "folder", timeout=120)[0] == outs[0]["after"]
+
+
+def test_one_ranks_sharded_file_at_another_world_size_names_the_fix(saved, tmp_path):
     path, _ = saved
-    with pytest.raises(WorkerError, match="saved at another world size; save and load a FULL_STATE_DICT"):
+    with pytest.raises(WorkerError, match=r"saved at another world size; load it with load_sharded\(dir\)"):
         launch(_load_then_continue, 1, str(path), "sharded", timeout=120)
+    shutil.copy(f"{path}/folder/shard-0-of-2.pt", tmp_path / "shard-0-of-2.pt")  # rank 1's file left behind
+    with pytest.raises(WorkerError, match=r"lacks the files of ranks \[1\] of 2; copy every rank's file"):
+        launch(_load_folder, 1, str(tmp_path), timeout=60)
+
+
+def _load_folder(path):
+    load_sharded(path, _model())
 
 
 def _state_dict_on_rank0_only():

@@ -8,7 +8,8 @@ Change the import and code written for PyTorch's FSDP1 runs here::
 Read in this order: ``api.py`` (the options), ``flat_param.py`` (flatten, pad,
 shard, gather, free), ``fully_sharded.py`` (one training step: hooks,
 strategies, prefetch, no_sync, clipping), ``wrap.py`` (units),
-``state_dict.py`` (checkpoints).
+``state_dict.py`` (checkpoints; ``save_sharded`` / ``load_sharded`` for a
+sharded checkpoint folder that loads at any world size).
 """
 
 from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
@@ -16,7 +17,7 @@ from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullSt
                   StateDictConfig, StateDictType)
 from .fully_sharded import FullyShardedDataParallel
 from .options import init_hybrid_groups
-from .state_dict import FlatShard
+from .state_dict import FlatShard, load_sharded, save_sharded
 from .wrap import (ModuleWrapPolicy, always_wrap_policy, auto_wrap, default_auto_wrap_policy, enable_wrap,
                    lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
 
@@ -25,6 +26,7 @@ FSDP = FullyShardedDataParallel
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
            "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "FlatShard",
+           "save_sharded", "load_sharded",
            "init_hybrid_groups", "ModuleWrapPolicy", "always_wrap_policy", "auto_wrap", "default_auto_wrap_policy",
            "enable_wrap", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
            "wrap"]

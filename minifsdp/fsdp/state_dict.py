@@ -10,7 +10,8 @@ unwrapped model's language (``blocks.0.attn.qkv.weight``, shape ``[96, 32]``).
   the result loads into the *unwrapped* model, or into FSDP at any world size.
 * SHARDED_STATE_DICT: no communication. Same keys; each value is a
   ``FlatShard``: the piece of that parameter (flattened) this rank holds, with
-  its offset. Loads back at the same world size.
+  its offset. Loads back as is at the same world size; ``save_sharded`` /
+  ``load_sharded`` (end of this file) load it at *any* world size.
 * LOCAL_STATE_DICT: the flat shards under their own names (``_flat_param``).
 
 The optimizer follows the same rule: its state for a flat shard (AdamW's
@@ -26,6 +27,8 @@ ranks that never came.
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -39,7 +42,7 @@ from .fully_sharded import FullyShardedDataParallel as FSDP
 from .options import all_ranks_enter, clean_name
 
 __all__ = ["FlatShard", "state_dict_type", "state_dict", "load_state_dict", "optim_state_dict",
-           "optim_state_dict_to_load"]
+           "optim_state_dict_to_load", "save_sharded", "load_sharded"]
 
 _nested = False          # True while nn.Module's own traversal runs (child units then behave as plain modules)
 _entries: dict[str, int] = {}
@@ -187,7 +190,8 @@ def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True) -
                        f"{'...' if len(unexpected) > 6 else ''} (saved from another model?)")
     for key, (h, info) in expected.items():
         v = sd.get(key)
-        shape = v.shape if isinstance(v, FlatShard) else getattr(v, "shape", None)
+        first = v[0] if isinstance(v, list) and v else v  # load_sharded: the pieces of every saved rank
+        shape = first.shape if isinstance(first, FlatShard) else getattr(first, "shape", None)
         if v is not None and tuple(shape) != tuple(info.shape):
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(shape)} in the checkpoint but "
                              f"{tuple(info.shape)} in the model (saved from another model?)")
@@ -204,20 +208,41 @@ def _load_handle(h: Any, values: list[Any]) -> None:
     """Values of a handle's unique parameters (full tensors or FlatShards) -> its shard."""
     if any(v is None for v in values):
         return  # non-strict load of a partial checkpoint: leave this unit as it is
-    if isinstance(values[0], FlatShard):
+    if isinstance(values[0], (FlatShard, list)):
         h.flat_param.copy_(_shard_from_pieces(h, values))
     else:
         h.write_shard(h.flatten([v.to(h.device, h.dtype) for v in values]))
 
 
-def _shard_from_pieces(h: Any, pieces: list[FlatShard]) -> torch.Tensor:
-    for info, piece in zip(h.unique_infos, pieces):
-        if (piece.offset, piece.offset + piece.local.numel()) != h.local_piece(info):
-            raise ValueError(f"sharded checkpoint of {info.fqn!r} holds elements [{piece.offset}, "
-                             f"{piece.offset + piece.local.numel()}) but this rank needs {h.local_piece(info)}: "
-                             "it was saved at another world size; save and load a FULL_STATE_DICT instead")
-    flat = torch.cat([p.local.reshape(-1).to(h.flat_param.device, h.flat_param.dtype) for p in pieces])
+def _shard_from_pieces(h: Any, values: list[FlatShard | list[FlatShard]]) -> torch.Tensor:
+    """This rank's shard, cut from each unique parameter's saved piece(s), then zero padding."""
+    flat = torch.cat([_elements(v, *h.local_piece(info), info.fqn).to(h.flat_param.device, h.flat_param.dtype)
+                      for info, v in zip(h.unique_infos, values)])
     return torch.cat([flat, flat.new_zeros(h.shard_numel - flat.numel())])
+
+
+def _elements(value: FlatShard | list[FlatShard], start: int, end: int, name: str) -> torch.Tensor:
+    """Flattened elements ``[start, end)`` of one parameter, stitched from saved pieces.
+
+    Saved at 2 ranks, a 10-element parameter is pieces [0, 5) and [5, 10); a rank
+    of a 4-rank model that needs [3, 6) takes 2 elements of the first, 1 of the second.
+    """
+    pieces = sorted((p for p in (value if isinstance(value, list) else [value]) if p.local.numel()),
+                    key=lambda p: p.offset)
+    out, at = [], start
+    for p in pieces:
+        lo, hi = max(at, p.offset), min(end, p.offset + p.local.numel())
+        if lo > at:
+            break  # a gap: no piece holds element ``at``
+        if hi > lo:
+            out.append(p.local.reshape(-1)[lo - p.offset:hi - p.offset])
+            at = hi
+    if at < end:
+        held = [(p.offset, p.offset + p.local.numel()) for p in pieces]
+        raise ValueError(f"sharded checkpoint of {name!r} holds elements {held} but this rank needs [{start}, {end}): "
+                         "it was saved at another world size; load it with load_sharded(dir), which reads every "
+                         "rank's file (or save and load a FULL_STATE_DICT)")
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 # --------------------------------------------------------------------------
@@ -349,7 +374,7 @@ def _load_flat_layout(h: Any, prefix: str, osd: dict[str, Any]) -> dict[str, Any
     new: dict[str, Any] = {}
     for k, v0 in saved[0].items():
         values = [s[k] for s in saved]
-        if isinstance(v0, FlatShard):
+        if isinstance(v0, (FlatShard, list)):
             new[k] = _shard_from_pieces(h, values)
         elif torch.is_tensor(v0) and k != "step" and v0.shape == infos[0].shape:
             full = h.flatten([v.to(h.device, h.flat_param.dtype) for v in values])
@@ -357,3 +382,66 @@ def _load_flat_layout(h: Any, prefix: str, osd: dict[str, Any]) -> dict[str, Any
         else:
             new[k] = v0.clone() if torch.is_tensor(v0) else v0
     return new
+
+
+# --------------------------------------------------------------------------
+# A sharded checkpoint folder, loadable at any world size
+# --------------------------------------------------------------------------
+def save_sharded(path: str, model: nn.Module, optim: torch.optim.Optimizer | None = None) -> str:
+    """Every rank writes its SHARDED_STATE_DICT (model, and optimizer if given) to
+    ``path/shard-{rank}-of-{world}.pt``; no communication. Returns the file written.
+
+    Each ``FlatShard`` records which flattened elements of which parameter (name,
+    shape, offset; padding never saved) it holds, so the folder describes itself.
+    """
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        ckpt = {"model": state_dict(model), "optim": optim_state_dict(model, optim) if optim is not None else None}
+    os.makedirs(path, exist_ok=True)
+    file = os.path.join(path, f"shard-{dist.rank()}-of-{dist.world_size()}.pt")
+    torch.save(ckpt, file)
+    return file
+
+
+def load_sharded(path: str, model: nn.Module, optim: torch.optim.Optimizer | None = None) -> None:
+    """Load a ``save_sharded`` folder into ``model`` (and ``optim``) at *any* world size.
+
+    Every rank opens every file, memory-mapped (only the bytes it touches are read),
+    gathers each parameter's pieces from all of them and cuts out the elements its own
+    shard needs (``_elements``). The folder must be visible to every rank (a shared
+    filesystem across machines). No communication.
+    """
+    files = glob.glob(os.path.join(path, "shard-*-of-*.pt"))
+    worlds = {int(f.rsplit("-of-", 1)[1][:-3]) for f in files}
+    if len(worlds) != 1:
+        raise FileNotFoundError(f"load_sharded: {path!r} holds no save_sharded checkpoint (or shards of several "
+                                f"world sizes {sorted(worlds)}); point it at the folder save_sharded wrote")
+    n = worlds.pop()
+    missing = [r for r in range(n) if not os.path.exists(os.path.join(path, f"shard-{r}-of-{n}.pt"))]
+    if missing:
+        raise FileNotFoundError(f"load_sharded: {path!r} lacks the files of ranks {missing} of {n}; copy every "
+                                "rank's file into the folder")
+    with torch.serialization.safe_globals([FlatShard]):
+        ckpts = [torch.load(os.path.join(path, f"shard-{r}-of-{n}.pt"), map_location="cpu", mmap=True)
+                 for r in range(n)]
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        load_state_dict(model, _merge([c["model"] for c in ckpts]))
+        if optim is not None:
+            if ckpts[0]["optim"] is None:
+                raise ValueError(f"load_sharded: {path!r} was saved without an optimizer; pass optim=None")
+            names = dict.fromkeys(k for c in ckpts for k in c["optim"]["state"])  # every rank's, in order
+            osd = {"state": {k: _merge([c["optim"]["state"].get(k, {}) for c in ckpts]) for k in names},
+                   "param_groups": ckpts[0]["optim"]["param_groups"]}
+            optim.load_state_dict(optim_state_dict_to_load(model, optim, osd))
+
+
+def _merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dict from every rank's: a ``FlatShard`` becomes the list of all ranks' pieces;
+    anything else (buffers, step counters) is the same everywhere: rank 0's is kept."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, FlatShard):
+                out.setdefault(k, []).append(v)
+            else:
+                out.setdefault(k, v)
+    return out
