@@ -14,6 +14,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_helpers import gpt_batch, train_steps
 from minifsdp import WorkerError, launch
 from minifsdp.fsdp import (FullyShardedDataParallel as FSDP, ModuleWrapPolicy, ShardingStrategy, StateDictType,
                            init_hybrid_groups, size_based_auto_wrap_policy)
@@ -62,30 +63,16 @@ def _fsdp_kwargs(strategy, auto):
     return kw
 
 
+def _toy_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _train(kwargs, steps=STEPS, max_norm=0.5):
     """Train Toy (wrapped if kwargs is not None); return global losses, grad norms, full state dict."""
     torch.manual_seed(0)
-    model = Toy()
-    n, r = (tdist.get_world_size(), tdist.get_rank()) if kwargs is not None else (1, 0)
-    if kwargs is not None:
-        model = FSDP(model, **kwargs)
+    model = Toy() if kwargs is None else FSDP(Toy(), **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = _batch(step)
-        rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
-        loss = F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
-        loss.backward()
-        if kwargs is None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        else:
-            norms.append(model.clip_grad_norm_(max_norm).item())
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        if kwargs is not None:
-            tdist.all_reduce(loss)
-        losses.append(loss.item() / n)
+    losses, norms = train_steps(model, opt, _batch, _toy_loss, steps, max_norm=max_norm)
     if kwargs is None:
         return losses, norms, model.state_dict()
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -190,7 +177,6 @@ def test_flat_layout_padding_and_persistent_bytes(n):
 def _gpt_parity(kind):
     from minifsdp.models import Block, build_model, lm_loss
 
-    n, r = tdist.get_world_size(), tdist.get_rank()
     model = build_model("gpt-tiny", seed=0)
     if kind == "minifsdp":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
@@ -198,35 +184,14 @@ def _gpt_parity(kind):
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
         model = TorchFSDP(model, auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        data = torch.randint(0, 256, (8, 17), generator=g)
-        x, y = data[r * 8 // n:(r + 1) * 8 // n, :-1], data[r * 8 // n:(r + 1) * 8 // n, 1:]
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        tdist.all_reduce(loss)
-        losses.append(loss.item() / n)
-    return losses
+    return train_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gpt_batch, lm_loss, 3)[0]
 
 
 def test_gpt_tiny_matches_torch_fsdp_and_single_process():
     from minifsdp.models import build_model, lm_loss
 
     model = build_model("gpt-tiny", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ref = []
-    for step in range(3):
-        data = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(step))
-        loss = lm_loss(model(data[:, :-1]), data[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref = train_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gpt_batch, lm_loss, 3)[0]
     ours = launch(_gpt_parity, 2, "minifsdp", timeout=120)[0]
     theirs = launch(_gpt_parity, 2, "torch", timeout=120)[0]
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
@@ -361,24 +326,7 @@ def _param_groups(model):
 
 
 def _orig_params_steps(model, opt, steps, first=0):
-    n, r = (tdist.get_world_size(), tdist.get_rank()) if isinstance(model, FSDP) else (1, 0)
-    losses = []
-    for step in range(first, first + steps):
-        x, y = _batch(step)
-        rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
-        loss = F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
-        loss.backward()
-        if isinstance(model, FSDP):
-            model.clip_grad_norm_(0.5)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        if isinstance(model, FSDP):
-            tdist.all_reduce(loss)
-        losses.append(loss.item() / n)
-    return losses
+    return train_steps(model, opt, _batch, _toy_loss, steps, first, max_norm=0.5)[0]
 
 
 def _orig_params_run():
@@ -478,24 +426,10 @@ def _seeded_init(module, name):
                 t.copy_(torch.ones_like(t).triu(1) if t.dtype == torch.bool else torch.randn(t.shape, generator=g) / 8)
 
 
-def _gpt_losses(model, steps=3):
+def _gpt_losses(model):
     from minifsdp.models import lm_loss
 
-    n, r = (tdist.get_world_size(), tdist.get_rank()) if isinstance(model, FSDP) else (1, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        data = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(step))
-        rows = slice(r * 8 // n, (r + 1) * 8 // n)
-        loss = lm_loss(model(data[rows, :-1]), data[rows, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        if isinstance(model, FSDP):
-            tdist.all_reduce(loss)
-        losses.append(loss.item() / n)
-    return losses
+    return train_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gpt_batch, lm_loss, 3)[0]
 
 
 def _meta_gpt():

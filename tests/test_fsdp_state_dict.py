@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as tdist
 
+from fsdp_helpers import gpt_batch, train_steps
 from minifsdp import WorkerError, launch
 from minifsdp.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP,
                            ModuleWrapPolicy, StateDictType, load_sharded, save_sharded)
 
 ATOL, RTOL = 1e-5, 1e-4
-GLOBAL_BATCH, SEQ = 8, 16
 
 
 def _model(**overrides):
@@ -32,19 +32,7 @@ def _model(**overrides):
 def _steps(model, opt, first, count):
     from minifsdp.models import lm_loss
 
-    n, r = tdist.get_world_size(), tdist.get_rank()
-    losses = []
-    for step in range(first, first + count):
-        data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        rows = slice(r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n)
-        loss = lm_loss(model(data[rows, :-1]), data[rows, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        tdist.all_reduce(loss)
-        losses.append(loss.item() / n)
-    return losses
+    return train_steps(model, opt, gpt_batch, lm_loss, count, first)[0]
 
 
 def _save_then_continue(path):
@@ -100,11 +88,7 @@ def test_full_state_dict_keys_and_optimizer_state_match_single_process(saved):
     assert outs[1]["full_empty_off_rank0"]                    # rank0_only
     assert outs[0]["sharded_types"] == ["FlatShard"]          # no non-persistent buffers, no gather
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    for step in range(2):
-        data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        lm_loss(ref(data[:, :-1]), data[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(ref, opt, gpt_batch, lm_loss, 2)
     osd = outs[0]["full_optim"]
     names = [n for n, _ in ref.named_parameters()]
     assert osd["param_groups"][0]["params"] == names or sorted(osd["param_groups"][0]["params"]) == sorted(names)
