@@ -344,15 +344,17 @@ def _orig_params_run():
         kind = StateDictType.SHARDED_STATE_DICT if strategy == "FULL_SHARD" else StateDictType.FULL_STATE_DICT
         with FSDP.state_dict_type(model, kind):
             ckpt, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
-        losses += _orig_params_steps(model, opt, 1, first=2)
+        losses += _orig_params_steps(model, opt, 2, first=2)
         torch.manual_seed(1)  # a fresh, differently initialised model resumes from the checkpoint
-        fresh = FSDP(Toy(), use_orig_params=True, sharding_strategy=ShardingStrategy[strategy],
-                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        fresh = Toy()
+        # groups chosen on the unwrapped model: once wrapped, every original parameter is a 1-D view at rest
         fresh_opt = torch.optim.AdamW(_param_groups(fresh), lr=1e-2)
+        fresh = FSDP(fresh, use_orig_params=True, sharding_strategy=ShardingStrategy[strategy],
+                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
         with FSDP.state_dict_type(fresh, kind):
             fresh.load_state_dict(ckpt)
             fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
-        resumed = _orig_params_steps(fresh, fresh_opt, 1, first=2)
+        resumed = _orig_params_steps(fresh, fresh_opt, 2, first=2)  # 2: a shared step counter shows
         out[strategy] = (names, losses, resumed, sd)
     return out
 
@@ -365,7 +367,7 @@ def test_use_orig_params_per_parameter_groups_and_resume(n):
     opt = torch.optim.AdamW(_param_groups(ref), lr=1e-2)
     ref_losses = _orig_params_steps(ref, opt, 2)
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_losses += _orig_params_steps(ref, opt, 1, first=2)
+    ref_losses += _orig_params_steps(ref, opt, 2, first=2)
     for strategy, (names, losses, resumed, sd) in launch(_orig_params_run, n, timeout=120)[0].items():
         assert names == ref_names, strategy       # the original parameters, in the original order
         torch.testing.assert_close(losses, ref_losses, atol=ATOL, rtol=RTOL, msg=strategy)

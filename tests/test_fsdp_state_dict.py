@@ -192,3 +192,24 @@ def test_local_state_dict_round_trip_and_units_in_a_plain_parent():
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)).state_dict()
     assert sorted(plain_sd) == sorted(ref) and all(torch.equal(plain_sd[k], ref[k]) for k in ref)
+
+
+def _orig_params_folder(path, save):
+    """use_orig_params=True: one optimizer state per original parameter, cut at the shard's boundaries."""
+    from minifsdp.models import Block, build_model
+
+    model = FSDP(build_model("gpt-tiny", seed=0 if save else 1), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 use_orig_params=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    if save:
+        _steps(model, opt, 0, 2)
+        save_sharded(path, model, opt)
+    else:
+        load_sharded(path, model, opt)
+    return _steps(model, opt, 2, 2)
+
+
+def test_use_orig_params_sharded_folder_loads_at_another_world_size(tmp_path):
+    saved = launch(_orig_params_folder, 2, str(tmp_path), True, timeout=120)[0]
+    resumed = launch(_orig_params_folder, 3, str(tmp_path), False, timeout=120)[0]
+    torch.testing.assert_close(resumed, saved, atol=ATOL, rtol=RTOL)

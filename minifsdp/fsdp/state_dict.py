@@ -348,7 +348,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             state[idx] = flat_state
         else:  # use_orig_params: this parameter's piece of each sharded state
             lo, hi = h._shard_slice(h.unique_infos[which])
-            state[idx] = {k: v[lo:hi].clone() if torch.is_tensor(v) and v.dim() > 0 else v
+            # each its own copy, counters too: AdamW increments ``step`` in place, once per parameter
+            state[idx] = {k: (v[lo:hi] if v.dim() > 0 else v).clone() if torch.is_tensor(v) else v
                           for k, v in flat_state.items()}
     if len(osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(f"optim_state_dict_to_load: checkpoint has {len(osd['param_groups'])} parameter groups, "
