@@ -640,7 +640,7 @@ for s in strategies:
     m = metrics[s]
     times = [1e3 * t for t in m["step_time_s"][0]]
     moved = sum(m["bytes_per_step"][0].values())
-    moved_txt = f"{moved / MiB:.2f} MiB" if moved else "not traced" if s == "torch-ddp" else "0"
+    moved_txt = f"{moved / MiB:.2f} MiB" if moved else "0"
     print(f"{s:<10} {m['world_size']:>5} {statistics.median(times):>15.1f} {f'({min(times):.0f} - {max(times):.0f})':>16} "
           f"{moved_txt:>16}")
 
