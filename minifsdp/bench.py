@@ -136,7 +136,7 @@ def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any
     ``"total"`` the exact value: FSDP moves *padded* flat parameters (each
     unit padded to a multiple of its shard group), and FULL_SHARD keeps the
     root unit unsharded from forward to backward (torch FSDP1 and minifsdp
-    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP also
+    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP (and zero1, on DDP) also
     broadcasts the module's buffers before each forward (as torch's
     ``broadcast_buffers=True``).
 
@@ -153,8 +153,8 @@ def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any
     by_op: dict[str, int]
     if name in ("ddp", "ddp-naive"):
         by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": buffers}, "ddp"
-    elif name == "zero1":  # OSS: all-reduce the gradients, each owner broadcasts its parameters
-        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": psi_n * b}, "oss"
+    elif name == "zero1":  # DDP all-reduces the gradients (and broadcasts buffers); owners broadcast parameters
+        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": psi_n * b + buffers}, "oss"
     elif name == "zero2":  # reduce each gradient to its owner, owners broadcast
         by_op, paper_key = {"reduce": psi_n * b, "broadcast": psi_n * b}, "zero2"
     elif name == "fsdp":

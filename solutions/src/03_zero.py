@@ -824,7 +824,11 @@ plt.show()
 # `python -m minifsdp.train --strategy zero2 --world-size 2 --model gpt-mini`.
 # It tracks memory over the whole step, so its peak includes what the model states
 # leave out: activations, the optimizer's scratch during `step()`, communication
-# buffers. Two steps of `gpt-mini` on 2 ranks, with the trainer's default AdamW:
+# buffers. Its `zero1` is `OSS` on top of lab 02's bucketed `DistributedDataParallel`
+# (the same bytes as `wrap_zero(model, 1)`, in fewer, overlapped all-reduces; it is
+# what `torch-zero1` does with PyTorch's DDP and `ZeroRedundancyOptimizer`), so its
+# peak also holds DDP's gradient buckets. Two steps of `gpt-mini` on 2 ranks, with
+# the trainer's default AdamW:
 
 # %%
 import tempfile  # noqa: E402
