@@ -161,4 +161,4 @@ def test_gpt_tiny_training_step_is_fast_and_learns():
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.2
-    assert sorted(times)[len(times) // 2] < 0.1  # median step, on a noisy shared CPU
+    assert sorted(times)[len(times) // 2] < 0.5  # "well under a second" (issue 3), loose for a noisy shared CI
