@@ -136,9 +136,9 @@ def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any
     ``"total"`` the exact value: FSDP moves *padded* flat parameters (each
     unit padded to a multiple of its shard group), and FULL_SHARD keeps the
     root unit unsharded from forward to backward (torch FSDP1 and minifsdp
-    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP (and zero1, on DDP) also
-    broadcasts the module's buffers before each forward (as torch's
-    ``broadcast_buffers=True``).
+    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP (and
+    zero1, which runs on DDP) also broadcasts the module's buffers before
+    each forward (as torch's ``broadcast_buffers=True``).
 
     >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42880 x 4 B = 171520 B
     >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3Ψ; 3Ψ - Ψ_root

@@ -130,6 +130,8 @@ def _worker_main(rank: int, world_size: int, payload: bytes, store_path: str,
 
 def _run_rank(rank: int, world_size: int, payload: bytes, store_path: str,
               backend: str, timeout_s: float, threads: int) -> tuple:
+    # torchrun's variables, so code that asks "am I under torchrun?" (train._under_torchrun,
+    # dist.init) finds the group already made. No MASTER_PORT: the rendezvous is the FileStore.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -247,10 +249,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
     ctx = _mp_context()
     results = ctx.Queue()
-    stack_dir = tempfile.mkdtemp(prefix="minifsdp-launch-")
-    stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
+    run_dir = tempfile.mkdtemp(prefix="minifsdp-launch-")  # the rendezvous file and each rank's stack dump
+    stack_files = [os.path.join(run_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_worker_main, name=f"minifsdp-rank{r}", daemon=True,
-                         args=(r, world_size, payload, os.path.join(stack_dir, "store"), backend,
+                         args=(r, world_size, payload, os.path.join(run_dir, "store"), backend,
                                timeout, threads, os.getpid(), results, stack_files[r]))
              for r in range(world_size)]
     try:
@@ -264,7 +266,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     try:
         return _results_or_raise(outcomes, world_size, timeout, stack_files)
     finally:
-        shutil.rmtree(stack_dir, ignore_errors=True)  # stack dumps, and the store file a killed rank left
+        shutil.rmtree(run_dir, ignore_errors=True)  # stack dumps, and the store file a killed rank left
 
 
 def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> None:
