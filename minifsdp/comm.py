@@ -256,35 +256,35 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM
                    tensor, dst=dst)
 
 
-def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
-    """Blocking point-to-point send to global rank ``dst``."""
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    """Blocking point-to-point send to global rank ``dst`` (``tag`` tells messages apart; gloo only)."""
     dist.require_initialized("comm.send")
     start = time.perf_counter()
-    tdist.send(tensor, dst=dst, group=group)
+    tdist.send(tensor, dst=dst, group=group, tag=tag)
     _record("send", None, start, tensor.numel() * tensor.element_size(), group, False, tensor, peer=dst)
 
 
-def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
-    """Blocking receive from global rank ``src`` into ``tensor``."""
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    """Blocking receive from global rank ``src`` into ``tensor`` (of the send with the same ``tag``)."""
     dist.require_initialized("comm.recv")
     start = time.perf_counter()
-    tdist.recv(tensor, src=src, group=group)
+    tdist.recv(tensor, src=src, group=group, tag=tag)
     _record("recv", None, start, tensor.numel() * tensor.element_size(), group, False, tensor, peer=src)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Handle:
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Handle:
     """Non-blocking send; call ``.wait()`` on the handle before reusing ``tensor``."""
     dist.require_initialized("comm.isend")
     start = time.perf_counter()
-    work = tdist.isend(tensor, dst=dst, group=group)
+    work = tdist.isend(tensor, dst=dst, group=group, tag=tag)
     return _record("send", work, start, tensor.numel() * tensor.element_size(), group, True, tensor, peer=dst)
 
 
-def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> Handle:
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Handle:
     """Non-blocking receive; ``tensor`` holds the data after ``.wait()``."""
     dist.require_initialized("comm.irecv")
     start = time.perf_counter()
-    work = tdist.irecv(tensor, src=src, group=group)
+    work = tdist.irecv(tensor, src=src, group=group, tag=tag)
     return _record("recv", work, start, tensor.numel() * tensor.element_size(), group, True, tensor, peer=src)
 
 

@@ -1,0 +1,333 @@
+"""Pipeline schedules as plain data: who runs which micro-batch when, before anything runs.
+
+Read this file first in ``minifsdp.pipeline``; ``validate.py`` checks a plan,
+``stage.py`` and ``executor.py`` run one. A *plan* is, for every rank, an
+ordered list of actions, in the notation of ``torch.distributed.pipelining``
+(its ``_Action``: stage index, kind, micro-batch): ``"1F3"`` is stage 1's
+forward of micro-batch 3; ``B`` a full backward; zero-bubble splits it into
+``I`` (gradient of the stage's *input*, which the previous stage is waiting
+for) and ``W`` (gradient of the *weights*, which nobody waits for);
+``SEND_F``/``RECV_F`` move an activation to the next stage, ``SEND_B``/``RECV_B``
+a gradient to the previous one. Stage ``s`` lives on rank ``s % p`` (torch's
+loop layout: with ``v`` virtual stages per rank, rank ``r`` holds ``r, r+p, ...``).
+
+The four schedules, p = 4 ranks, m = 4 micro-batches (``plan.table()``; time in
+units where a forward takes 1, a backward 2; a blank is the bubble)::
+
+    GPipe (Huang et al. 2019): every forward, then every backward.
+    rank 0 |F0|F1|F2|F3|  |  |  |  |  |  |  |  |  |  |  |B0   |B1   |B2   |B3   |
+    rank 3 |  |  |  |F0|F1|F2|F3|B0   |B1   |B2   |B3   |  |  |  |  |  |  |  |  |
+
+    1F1B (PipeDream-Flush, Narayanan et al. 2021): after p-1-r warm-up forwards,
+    rank r alternates one forward and one backward, so it never holds more than
+    p-r micro-batches' activations (GPipe holds all m).
+
+    Interleaved 1F1B (Megatron-LM): v smaller stages per rank; the bubble
+    shrinks by v, at the price of v times more messages.
+
+    Zero bubble (ZB-H1, Qi et al. 2024): 1F1B's order with B split into I and W;
+    each W waits until the rank would otherwise idle, filling the bubble.
+
+The bubble of a plan is measured on its own timeline (``simulate``): idle
+rank-time over total rank-time. For GPipe and 1F1B it is ``(p-1)/(m+p-1)``,
+for interleaved ``(p-1)/(v*m+p-1)`` (``minifsdp.estimate``); the tests hold
+every plan to these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = ["Action", "Plan", "SCHEDULES", "make_plan", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "zero_bubble", "lower", "COMPUTE", "COMM", "DURATION"]
+
+COMPUTE = ("F", "B", "I", "W")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# Cost of each action in time units (a forward = 1). A backward costs about two
+# forwards (two matmuls per weight instead of one); zero-bubble's I and W one each.
+DURATION = {"F": 1, "B": 2, "I": 1, "W": 1, "SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
+
+
+class Action(NamedTuple):
+    """One step of one rank: ``Action(stage, kind, mb)``, printed ``"1F3"`` as torch does."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """``Action.parse("1RECV_F3") == Action(1, "RECV_F", 3)``."""
+        i = 0
+        while i < len(text) and text[i].isdigit():
+            i += 1
+        j = len(text)
+        while j > i and text[j - 1].isdigit():
+            j -= 1
+        kind = text[i:j]
+        if i == 0 or j == len(text) or kind not in COMPUTE + COMM:
+            raise ValueError(f"cannot read action {text!r}: write stage, kind, micro-batch, e.g. '1F3' or '0SEND_F2'")
+        return cls(int(text[:i]), kind, int(text[j:]))
+
+
+@dataclass
+class Plan:
+    """A schedule as data: ``order[rank]`` is that rank's list of actions, in order.
+
+    >>> plan = gpipe(2, 2)
+    >>> plan.order
+    {0: [0F0, 0F1, 0B0, 0B1], 1: [1F0, 1F1, 1B0, 1B1]}
+    >>> plan.bubble()                      # (p-1)/(m+p-1) = 1/3
+    0.3333333333333333
+    """
+
+    name: str
+    p: int                      # ranks (pipeline group size)
+    m: int                      # micro-batches
+    v: int = 1                  # stages per rank
+    order: dict[int, list[Action]] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.p
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + k * self.p for k in range(self.v)]
+
+    def has_comms(self) -> bool:
+        return any(a.kind in COMM for acts in self.order.values() for a in acts)
+
+    def with_comms(self) -> "Plan":
+        """The plan with the sends and receives the executor runs (see ``lower``)."""
+        return self if self.has_comms() else lower(self)
+
+    def compute_only(self) -> "Plan":
+        return Plan(self.name, self.p, self.m, self.v,
+                    {r: [a for a in acts if a.kind in COMPUTE] for r, acts in self.order.items()})
+
+    # Derived from the simulated timeline (validate.py): the tests and the lab use these.
+    def bubble(self) -> float:
+        """Idle fraction of rank-time on the plan's own timeline (F=1, B=2, I=W=1)."""
+        from .validate import simulate
+        return simulate(self).bubble
+
+    def peak_activations(self) -> dict[int, float]:
+        """Per rank: most micro-batches whose activations are held at once, in whole-rank units."""
+        from .validate import simulate
+        return simulate(self).peak_activations
+
+    def table(self, width: int = 3) -> str:
+        """torchgpipe-style ASCII table: one row per rank, one column per time unit."""
+        from .validate import simulate
+        return simulate(self).table(width)
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in sorted(self.order.items()))
+
+
+# --------------------------------------------------------------------------
+# The schedules (compute actions only; ``lower`` adds the messages)
+# --------------------------------------------------------------------------
+def _check(p: int, m: int, v: int = 1) -> None:
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"a pipeline needs p >= 1 ranks, m >= 1 micro-batches, v >= 1 stages per rank; "
+                         f"got p={p}, m={m}, v={v}")
+
+
+def gpipe(p: int, m: int) -> Plan:
+    """Fill, then drain: all m forwards, then all m backwards (stage s = rank s).
+
+    >>> print(gpipe(2, 3))
+    rank 0: 0F0 0F1 0F2 0B0 0B1 0B2
+    rank 1: 1F0 1F1 1F2 1B0 1B1 1B2
+    """
+    _check(p, m)
+    return Plan("gpipe", p, m, 1, {r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
+                                   for r in range(p)})
+
+
+def one_f_one_b(p: int, m: int) -> Plan:
+    """Warm-up, steady state, cool-down (PipeDream-Flush / torch's Schedule1F1B).
+
+    Rank r first runs ``w = min(p-1-r, m)`` forwards: the micro-batches in
+    flight while the first one reaches the last stage and comes back. Then
+    each forward is followed by the oldest waiting backward; the cool-down
+    runs the w backwards left. At most ``w + 1 <= p - r`` micro-batches are
+    held at once, whatever m is.
+
+    >>> print(one_f_one_b(2, 3))
+    rank 0: 0F0 0F1 0B0 0F2 0B1 0B2
+    rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
+    """
+    _check(p, m)
+    order = {}
+    for r in range(p):
+        w = min(p - 1 - r, m)
+        acts = [Action(r, "F", i) for i in range(w)]                 # warm-up
+        for i in range(m - w):                                       # steady: 1 forward, 1 backward
+            acts += [Action(r, "F", w + i), Action(r, "B", i)]
+        acts += [Action(r, "B", i) for i in range(m - w, m)]         # cool-down
+        order[r] = acts
+    return Plan("1f1b", p, m, 1, order)
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> Plan:
+    """Megatron-LM's interleaved 1F1B: v stages per rank, depth first.
+
+    Micro-batches go in *rounds* of g (g = p when p divides m; torch's flexible
+    rule: ``rounds = max(1, m // p)``, g = m / rounds): a rank runs the round's
+    g forwards on its first stage, then on its second, ... then the next
+    round. Warm-up: ``(v-1)*g + 2*(p-1-r)`` forwards (Megatron's count, with g
+    for p), then one forward / one backward, backwards walking the stages in
+    reverse.
+    """
+    _check(p, m, v)
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in {rounds} equal rounds; {m} micro-batches "
+                         f"do not split into them: use a multiple of {p} micro-batches (or fewer than {p})")
+    g = m // rounds
+    total = v * m
+
+    def fwd(j: int, r: int) -> Action:
+        k, i = (j // g) % v, (j // (g * v)) * g + j % g
+        return Action(r + k * p, "F", i)
+
+    def bwd(j: int, r: int) -> Action:
+        k, i = v - 1 - (j // g) % v, (j // (g * v)) * g + j % g
+        return Action(r + k * p, "B", i)
+
+    order = {}
+    for r in range(p):
+        w = min(total, (v - 1) * g + 2 * (p - 1 - r))
+        acts = [fwd(j, r) for j in range(w)]
+        for j in range(total - w):
+            acts += [fwd(w + j, r), bwd(j, r)]
+        acts += [bwd(j, r) for j in range(total - w, total)]
+        order[r] = acts
+    return Plan("interleaved", p, m, v, order)
+
+
+def zero_bubble(p: int, m: int, v: int = 1) -> Plan:
+    """Zero bubble (ZB-H1 for v = 1): 1F1B (or interleaved) with each B split into I then W.
+
+    I, the input gradient, keeps B's place: the previous stage waits for it.
+    W, the weight gradient, has no reader but the optimizer, so it moves: on a
+    unit-time timeline (F = I = W = 1) a rank runs a waiting W whenever its
+    next F or I is not ready yet, i.e. in what was the bubble; W's still
+    waiting at the end run last. Every W is deferred at most until then, so
+    memory stays near 1F1B's.
+    """
+    base = one_f_one_b(p, m) if v == 1 else interleaved_1f1b(p, m, v)
+    split = {r: [Action(a.stage, "I", a.mb) if a.kind == "B" else a for a in acts] for r, acts in base.order.items()}
+    # A W frees the micro-batch's activations. ZB-H1's memory rule: no rank holds more at
+    # once than the base schedule's busiest rank (rank 0) does; later ranks may use the slack.
+    most = max(max(_running_held(acts)) for acts in base.order.values())
+    limit = {r: most for r in base.order}
+    return Plan("zero-bubble", p, m, v, _fill_with_w(split, v * p, limit))
+
+
+def _running_held(acts: list[Action]) -> list[int]:
+    """How many (stage, micro-batch) activations are held after each action (B frees)."""
+    held, out = 0, [0]
+    for a in acts:
+        held += (a.kind == "F") - (a.kind == "B")
+        out.append(held)
+    return out
+
+
+def _fill_with_w(order: dict[int, list[Action]], num_stages: int, limit: dict[int, int]) -> dict[int, list[Action]]:
+    """Place each W in the first idle slot after its I (a unit-time list scheduler).
+
+    Exception: a rank already holding ``limit[r]`` micro-batches runs a waiting
+    W before its next forward, so memory never exceeds the base schedule's.
+    """
+    done: dict[tuple[str, int, int], int] = {}       # (kind, stage, mb) -> time it finished
+    pos = {r: 0 for r in order}
+    held = {r: 0 for r in order}
+    pending: dict[int, list[Action]] = {r: [] for r in order}
+    out: dict[int, list[Action]] = {r: [] for r in order}
+    t = 0
+    while any(pos[r] < len(order[r]) or pending[r] for r in order):
+        started = []
+        for r in order:
+            if pos[r] < len(order[r]):
+                a = order[r][pos[r]]
+                if a.kind == "F" and held[r] >= limit[r] and pending[r]:
+                    ready = False  # make room first: the W below frees one micro-batch
+                elif a.kind == "F":
+                    ready = a.stage == 0 or done.get(("F", a.stage - 1, a.mb), t + 1) <= t
+                else:  # I
+                    ready = a.stage == num_stages - 1 or done.get(("I", a.stage + 1, a.mb), t + 1) <= t
+                if ready:
+                    pos[r] += 1
+                    out[r].append(a)
+                    started.append(a)
+                    held[r] += a.kind == "F"
+                    if a.kind == "I":
+                        pending[r].append(Action(a.stage, "W", a.mb))
+                    continue
+            if pending[r]:  # idle otherwise: fill the slot with the oldest weight gradient
+                out[r].append(pending[r].pop(0))
+                held[r] -= 1
+        for a in started:
+            done[(a.kind, a.stage, a.mb)] = t + 1
+        t += 1
+        if t > 10 * (len(order) + 1) * (sum(map(len, order.values())) + 1):
+            raise RuntimeError("zero_bubble: the F/I order never finishes (it deadlocks); validate it first")
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zero-bubble": zero_bubble}
+
+
+def make_plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
+    """``make_plan("1f1b", 4, 8)``; ``v`` (stages per rank) for interleaved and zero-bubble."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+    if schedule in ("gpipe", "1f1b"):
+        if v != 1:
+            raise ValueError(f"{schedule} runs one stage per rank; use 'interleaved' or 'zero-bubble' for v={v}")
+        return SCHEDULES[schedule](p, m)
+    return SCHEDULES[schedule](p, m, v)
+
+
+# --------------------------------------------------------------------------
+# Lowering: add the messages between ranks
+# --------------------------------------------------------------------------
+def lower(plan: Plan) -> Plan:
+    """Insert the point-to-point messages around each compute action.
+
+    A receive goes right before the action that needs it, a send right after
+    the action that produced it (the executor sends asynchronously, so only a
+    receive can wait). Neighbouring stages on the same rank hand over in memory.
+
+    >>> print(lower(gpipe(2, 1)))
+    rank 0: 0F0 0SEND_F0 0RECV_B0 0B0
+    rank 1: 1RECV_F0 1F0 1B0 1SEND_B0
+    """
+    last = plan.num_stages - 1
+    order = {}
+    for r, acts in plan.order.items():
+        out: list[Action] = []
+        for a in acts:
+            s, i = a.stage, a.mb
+            remote_prev = s > 0 and plan.rank_of(s - 1) != r
+            remote_next = s < last and plan.rank_of(s + 1) != r
+            if a.kind == "F":
+                out += [Action(s, "RECV_F", i)] * remote_prev + [a] + [Action(s, "SEND_F", i)] * remote_next
+            elif a.kind in ("B", "I"):
+                out += [Action(s, "RECV_B", i)] * remote_next + [a] + [Action(s, "SEND_B", i)] * remote_prev
+            else:
+                out.append(a)
+        order[r] = out
+    return Plan(plan.name, plan.p, plan.m, plan.v, order)

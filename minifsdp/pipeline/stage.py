@@ -1,0 +1,299 @@
+"""One pipeline stage: a submodule, its place in the pipeline, and its micro-batches in flight.
+
+Mirrors ``torch.distributed.pipelining.PipelineStage`` (same constructor), so a
+script that builds stages by hand runs on minifsdp by changing the import.
+The stage knows *how* to run one action on one micro-batch; *which* action
+comes next is the schedule's business (``executor.py``).
+
+Per micro-batch ``i`` a stage keeps what its backward will need (``_saved[i]``):
+the input it received (a leaf that requires grad, so backward leaves the
+gradient for the previous stage in ``input.grad``), its output, and on the last
+stage the loss. The entry is deleted by the micro-batch's last backward action,
+which frees the activations autograd saved: what 1F1B exploits.
+
+Three backward flavours:
+
+* ``B``  full backward: ``torch.autograd.backward(output, grad)``.
+* ``I``  (zero bubble) gradient of the *input* only, sent upstream at once, and
+  the gradient of every parameterised layer's *output* (captured by forward
+  hooks), all in one autograd pass that keeps the graph.
+* ``W``  (zero bubble) each layer's weight gradient from its output gradient:
+  ``autograd.grad(layer_out, layer.params, g)``, which walks only that layer's
+  own few nodes (for a Linear: ``g^T @ x``). Nothing waits for W, so the
+  schedule parks it in a bubble. (Qi et al., "Zero Bubble Pipeline
+  Parallelism", 2024; torch does the same split in ``pipelining/_backward.py``.)
+
+Activation checkpointing per stage, torchgpipe's modes: ``always`` recompute
+every micro-batch's forward in backward, ``except_last`` all but the last
+micro-batch (its backward comes right after its forward anyway), ``never``.
+
+Messages carry one tensor. The first activation a stage ever sends is preceded
+by a small header (dtype, shape) so the receiver can allocate: shapes are
+inferred at the first step, as torch does when ``input_args`` is not given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from .. import comm, dist
+
+__all__ = ["PipelineStage", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # dtype, ndim, up to 8 sizes
+_ACT, _GRAD, _META = 0, 1, 2
+
+
+@dataclass
+class _Saved:
+    """What micro-batch i's backward needs on this stage."""
+
+    input: torch.Tensor | None = None      # received activation (leaf, requires grad)
+    output: torch.Tensor | None = None
+    loss: torch.Tensor | None = None       # last stage only
+    layer_outputs: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    layer_grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def _as_tensor(args: Any, what: str) -> torch.Tensor | None:
+    if args is None:
+        return None
+    if isinstance(args, (tuple, list)):
+        if len(args) != 1:
+            raise ValueError(f"{what}: minifsdp.pipeline passes one tensor between stages, got {len(args)}")
+        args = args[0]
+    if not isinstance(args, torch.Tensor):
+        raise ValueError(f"{what}: expected a tensor, got {type(args).__name__}")
+    return args
+
+
+class PipelineStage:
+    """``PipelineStage(submodule, stage_index, num_stages, device)``: torch's signature.
+
+    ``input_args`` / ``output_args``: example micro-batch input / output (a
+    tensor or 1-tuple); when given, the first step checks the shapes against
+    them. ``group``: the pipeline's process group (default: the world); stage
+    ``s`` must be built on the group rank ``s % group size``. ``checkpoint``
+    (minifsdp's, torchgpipe's): ``always | except_last | never``.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str,
+                 input_args: Any = None, output_args: Any = None, group: tdist.ProcessGroup | None = None,
+                 *, checkpoint: str = "never") -> None:
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1} (num_stages={num_stages})")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint={checkpoint!r}; choose one of: {', '.join(CHECKPOINT_MODES)}")
+        self.submod = submodule
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.device = torch.device(device)
+        self.group = group
+        self.group_size, self.group_rank = dist.world_size(group), dist.rank(group)
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.checkpoint = checkpoint
+        if num_stages % self.group_size:
+            raise ValueError(f"{num_stages} stages do not spread evenly over a pipeline group of {self.group_size} "
+                             f"ranks: use a multiple of {self.group_size} stages")
+        if stage_index % self.group_size != self.group_rank:
+            raise ValueError(f"stage {stage_index} lives on rank {stage_index % self.group_size} (stage s on rank "
+                             f"s % {self.group_size}); this is rank {self.group_rank}: build it there")
+        self.input_example = _as_tensor(input_args, f"stage {stage_index} input_args")
+        self.output_example = _as_tensor(output_args, f"stage {stage_index} output_args")
+        self._saved: dict[int, _Saved] = {}
+        self.inbox: dict[int, torch.Tensor] = {}       # micro-batch -> input activation (received or handed over)
+        self.grad_inbox: dict[int, torch.Tensor] = {}  # micro-batch -> gradient of this stage's output
+        self.input_grads: dict[int, torch.Tensor] = {}  # micro-batch -> gradient of its input, to send
+        self.output_chunks: dict[int, torch.Tensor] = {}
+        self._recv_meta: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._meta_sent = False
+        self._split_weights = False
+        self._capture: list[tuple[torch.Tensor, list[nn.Parameter]]] | None = None
+        self._hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ peers
+    def rank_of(self, stage: int) -> int:
+        """Global rank holding ``stage`` (send/recv take global ranks, as in torch)."""
+        r = stage % self.group_size
+        return tdist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def is_local(self, stage: int) -> bool:
+        return stage % self.group_size == self.group_rank
+
+    def _tag(self, kind: int, stage: int, mb: int) -> int:
+        return (mb * self.num_stages + stage) * 3 + kind
+
+    # ---------------------------------------------------------------- forward
+    def _checkpointed(self, mb: int, n_microbatches: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < n_microbatches - 1)
+
+    def forward_one_chunk(self, mb: int, args: tuple = (), kwargs: dict | None = None,
+                          n_microbatches: int = 1) -> torch.Tensor:
+        """Run micro-batch ``mb`` through the submodule; keep what backward needs."""
+        saved = _Saved()
+        if not self.is_first:
+            x = self.inbox.pop(mb)
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            saved.input, args, kwargs = x, (x,), {}
+        kwargs = kwargs or {}
+        self._capture = saved.layer_outputs if self._split_weights else None
+        try:
+            if self._checkpointed(mb, n_microbatches) and torch.is_grad_enabled():
+                out = _checkpoint(self.submod, *args, use_reentrant=False, **kwargs)
+            else:
+                out = self.submod(*args, **kwargs)
+        finally:
+            self._capture = None
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {self.stage_index} returned {type(out).__name__}; minifsdp.pipeline passes one "
+                            "tensor between stages: return a single tensor")
+        if self.output_example is not None and out.shape != self.output_example.shape:
+            raise ValueError(f"stage {self.stage_index} produced shape {tuple(out.shape)} but its output_args say "
+                             f"{tuple(self.output_example.shape)}: fix the submodule or output_args")
+        saved.output = out
+        self._saved[mb] = saved
+        return out
+
+    def set_loss(self, mb: int, loss: torch.Tensor) -> None:
+        self._saved[mb].loss = loss
+
+    # --------------------------------------------------------------- backward
+    def _root(self, mb: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        saved = self._saved[mb]
+        if self.is_last:
+            if saved.loss is None:
+                raise RuntimeError(f"stage {self.stage_index}: backward of micro-batch {mb} needs a loss; "
+                                   "give the schedule a loss_fn")
+            return saved.loss, None
+        return saved.output, self.grad_inbox.pop(mb)
+
+    def backward_one_chunk(self, mb: int) -> torch.Tensor | None:
+        """Full backward (B) of micro-batch ``mb``; returns the gradient of its input."""
+        root, grad = self._root(mb)
+        saved = self._saved.pop(mb)
+        torch.autograd.backward(root, grad)
+        return None if saved.input is None else saved.input.grad
+
+    def backward_input(self, mb: int) -> torch.Tensor | None:
+        """Zero bubble's I: the input gradient (returned) and each layer output's gradient (kept for W)."""
+        root, grad = self._root(mb)
+        saved = self._saved[mb]
+        firsts = [] if saved.input is None else [saved.input]
+        outs = [o for o, _ in saved.layer_outputs]
+        grads = torch.autograd.grad(root, firsts + outs, grad, retain_graph=True, allow_unused=True)
+        saved.layer_grads = list(grads[len(firsts):])
+        saved.input = saved.output = saved.loss = None  # W walks the layers' own nodes only
+        return grads[0] if firsts else None
+
+    def backward_weight(self, mb: int) -> None:
+        """Zero bubble's W: every layer's weight gradient from its output gradient, accumulated."""
+        saved = self._saved.pop(mb)
+        for (out, params), g in zip(saved.layer_outputs, saved.layer_grads):
+            if g is None:
+                continue
+            for p, gp in zip(params, torch.autograd.grad(out, params, g, allow_unused=True)):
+                if gp is not None:
+                    p.grad = gp if p.grad is None else p.grad.add_(gp)
+
+    def enable_weight_split(self) -> None:
+        """Capture each parameterised layer's output in forward (for I/W); needs no checkpointing."""
+        if self.checkpoint != "never":
+            raise ValueError("zero-bubble schedules split backward into I and W, which activation checkpointing "
+                             "does not support here: build the stage with checkpoint='never'")
+        if self._split_weights:
+            return
+        self._split_weights = True
+        owned = {m: list(m.parameters(recurse=False)) for m in self.submod.modules()}
+        for module, params in owned.items():
+            params = [p for p in params if p.requires_grad]
+            if params:
+                self._hooks.append(module.register_forward_hook(self._capture_hook(params)))
+        # A parameter used outside its module's output (or a module returning a tuple) would
+        # be missed by W; refuse rather than give a wrong gradient.
+
+    def _capture_hook(self, params: list[nn.Parameter]) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self._capture is None:
+                return
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"zero bubble: {type(module).__name__} returns {type(output).__name__}; the I/W "
+                                "split needs every layer with weights to return one tensor")
+            self._capture.append((output, params))
+        return hook
+
+    # --------------------------------------------------------------- messages
+    def send_activation(self, mb: int) -> list[comm.Handle]:
+        """Send micro-batch ``mb``'s output to the next stage (async); the first time, a shape header first."""
+        out = self._saved[mb].output.detach()
+        dst, handles = self.rank_of(self.stage_index + 1), []
+        if not self._meta_sent:
+            if out.dtype not in _DTYPES or out.dim() > _HEADER - 2:
+                raise ValueError(f"stage {self.stage_index} output: dtype {out.dtype} / {out.dim()} dims cannot be "
+                                 f"sent; use one of {_DTYPES} with at most {_HEADER - 2} dims")
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+            header[2:2 + out.dim()] = torch.tensor(out.shape)
+            handles.append(comm.isend(header, dst, group=self.group, tag=self._tag(_META, self.stage_index + 1, 0)))
+            self._meta_sent = True
+        handles.append(comm.isend(out.contiguous(), dst, group=self.group,
+                                  tag=self._tag(_ACT, self.stage_index + 1, mb)))
+        return handles
+
+    def recv_activation(self, mb: int) -> None:
+        src = self.rank_of(self.stage_index - 1)
+        if self._recv_meta is None:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            comm.recv(header, src, group=self.group, tag=self._tag(_META, self.stage_index, 0))
+            dtype, shape = _DTYPES[int(header[0])], tuple(int(s) for s in header[2:2 + int(header[1])])
+            ex = self.input_example
+            if ex is not None and (tuple(ex.shape) != shape or ex.dtype != dtype):
+                raise ValueError(f"stage {self.stage_index - 1} sends {dtype} {shape} but stage {self.stage_index} "
+                                 f"expects {ex.dtype} {tuple(ex.shape)} (its input_args): make stage "
+                                 f"{self.stage_index - 1}'s output match stage {self.stage_index}'s input")
+            self._recv_meta = (dtype, shape)
+        dtype, shape = self._recv_meta
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        comm.recv(buf, src, group=self.group, tag=self._tag(_ACT, self.stage_index, mb))
+        self.inbox[mb] = buf
+
+    def send_grad(self, mb: int, grad: torch.Tensor) -> list[comm.Handle]:
+        """Send the gradient of micro-batch ``mb``'s input to the previous stage (async)."""
+        return [comm.isend(grad.contiguous(), self.rank_of(self.stage_index - 1), group=self.group,
+                           tag=self._tag(_GRAD, self.stage_index, mb))]
+
+    def recv_grad(self, mb: int) -> None:
+        out = self._saved[mb].output
+        buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        comm.recv(buf, self.rank_of(self.stage_index + 1), group=self.group,
+                  tag=self._tag(_GRAD, self.stage_index + 1, mb))
+        self.grad_inbox[mb] = buf
+
+    # ------------------------------------------------------------------ state
+    def in_flight(self) -> list[int]:
+        """Micro-batches whose activations this stage still holds."""
+        return sorted(self._saved)
+
+    def clear_runtime_states(self) -> None:
+        self._saved.clear()
+        self.inbox.clear()
+        self.grad_inbox.clear()
+        self.input_grads.clear()
+        self.output_chunks.clear()
+
+    def scale_grads(self, factor: int) -> None:
+        """Divide every gradient by ``factor`` (torch: the number of micro-batches for a mean loss)."""
+        if factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(factor)
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, rank {self.group_rank}, {self.device})"
