@@ -516,3 +516,61 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     ranks = f"{n} rank" + ("s" if n > 1 else "")
     ax.set_title(f"{op}, {ranks}\n{_DIAGRAMS[op].format(src=src)}", fontsize=10, pad=14)
     return fig
+
+
+COLUMN_WIDTH_IN = 10.5  # inches: a notebook column is ~1100 px, and lab figures are drawn at 100 dpi
+
+
+def column_figure(nrows: int = 1, ncols: int = 1, height: float = 3.5, **subplot_kw: Any) -> tuple[Figure, Any]:
+    """A figure as wide as a notebook column (~1050 px) with ``nrows x ncols`` axes.
+
+    Pass its axes to ``timeline(..., ax=)``, ``memory(..., ax=)`` or ``bandwidth(..., ax=)``
+    so a lab figure stays readable at laptop width::
+
+        >>> fig, ax = column_figure(height=3)
+        >>> fig.get_size_inches()[0]
+        10.5
+    """
+    fig = Figure(figsize=(COLUMN_WIDTH_IN, height), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=True, **subplot_kw)
+
+
+__all__ += ["mesh_diagram"]
+
+
+def mesh_diagram(mesh: Any, ax: Axes | None = None) -> Figure:
+    """Draw a ``minifsdp.mesh.DeviceMesh``: one panel per pipeline stage, a dp x tp grid of ranks in each.
+
+    A row is a tensor-parallel group (its ranks split every layer), a column a
+    data-parallel group (same slice, different data); a rank keeps its colour
+    per tp index, so a column's ranks, which hold the same weights, match.
+    """
+    D, P, Tn = mesh.shape
+    gap = 1.0
+    width_units = P * Tn + (P - 1) * gap
+    fig, ax = _new_axes(ax, (min(COLUMN_WIDTH_IN, 1.1 * width_units + 1.6), 0.9 * D + 1.6))
+    for p in range(P):
+        x0 = p * (Tn + gap)
+        ax.text(x0 + Tn / 2, -0.45, f"pipeline stage pp={p}" if P > 1 else "all layers", ha="center",
+                va="bottom", fontsize=9, fontweight="bold")
+        for d in range(D):
+            for t in range(Tn):
+                color = _RANK_COLORS[t % len(_RANK_COLORS)]
+                ax.add_patch(mpatches.Rectangle((x0 + t + 0.05, d + 0.05), 0.9, 0.8, facecolor=color,
+                                                edgecolor="white"))
+                ax.text(x0 + t + 0.5, d + 0.45, f"rank {mesh.rank_at(d, p, t)}", ha="center", va="center",
+                        fontsize=8, color="white")
+            if Tn > 1:  # the tp group: a bracket around the row
+                ax.add_patch(mpatches.Rectangle((x0, d), Tn, 0.9, fill=False, edgecolor="#444444",
+                                                linestyle="--", linewidth=0.8))
+        for t in range(Tn):
+            ax.text(x0 + t + 0.5, D + 0.05, f"tp={t}", ha="center", va="top", fontsize=8)
+    for d in range(D):
+        ax.text(-0.1, d + 0.45, f"dp={d}", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.8, width_units + 0.1)
+    ax.set_ylim(D + 0.5, -0.7)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"{mesh!r}: {mesh.size()} ranks\ndashed row = one tensor-parallel group, "
+                 "column = one data-parallel group", fontsize=9)
+    return fig
