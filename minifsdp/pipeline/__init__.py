@@ -26,6 +26,7 @@ activations), ``stage.py`` (one stage: forward, B / I / W backward, messages),
 
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleFromPlan, ScheduleGPipe, ScheduleInterleaved1F1B,
                        ScheduleInterleavedZeroBubble, split_microbatches)
+from .parallel import SCHEDULE_CLASSES, PipelineParallel, pipeline_groups
 from .partition import GPTStage, balance_by_params, gpt_layers, split_gpt
 from .schedules import SCHEDULES, Action, Plan, gpipe, interleaved_1f1b, lower, make_plan, one_f_one_b, zero_bubble
 from .stage import CHECKPOINT_MODES, PipelineStage
@@ -35,4 +36,5 @@ __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleave
            "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "PipelineSchedule", "split_microbatches",
            "Action", "Plan", "SCHEDULES", "make_plan", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble",
            "lower", "validate", "simulate", "Timeline", "ScheduleError", "GPTStage", "gpt_layers",
-           "balance_by_params", "split_gpt", "CHECKPOINT_MODES"]
+           "balance_by_params", "split_gpt", "CHECKPOINT_MODES", "PipelineParallel", "SCHEDULE_CLASSES",
+           "pipeline_groups"]
