@@ -63,6 +63,32 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def available_ranks(backend: str | None = None) -> int:
+    """How many ranks ``launch`` can start here: one per GPU with NCCL; on CPU (gloo) ranks are processes, 8."""
+    if (backend or default_backend()) == "nccl":
+        return torch.cuda.device_count()
+    return 8
+
+
+def lab_world_size(wanted: int, backend: str | None = None) -> int:
+    """``min(wanted, available_ranks())``, saying so when it is fewer: what a lab asks for ranks.
+
+    A lab written for 4 ranks runs unchanged on a laptop (4 gloo processes) and on a
+    1-, 2-, 4- or 8-GPU VM (one rank per GPU, NCCL)::
+
+        >>> lab_world_size(4)          # on a CPU machine, or a VM with >= 4 GPUs
+        4
+    """
+    available = available_ranks(backend)
+    if available < 1:
+        raise RuntimeError("backend nccl with no visible GPU: check CUDA_VISIBLE_DEVICES / nvidia-smi, "
+                           "or pass backend='gloo' to run the ranks on the CPU")
+    if wanted > available:
+        print(f"[minifsdp] this machine has {available} GPU(s): running {available} rank(s) instead of {wanted} "
+              f"(pass backend='gloo' to launch for {wanted} CPU ranks)")
+    return min(wanted, available)
+
+
 def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     """Initialise the default process group from torchrun's environment (env://).
 

@@ -46,6 +46,7 @@ import multiprocessing as mp
 import multiprocessing.spawn as mp_spawn
 import os
 import queue as queue_mod
+import re
 import shutil
 import sys
 import tempfile
@@ -73,15 +74,29 @@ class LaunchError(RuntimeError):
 
 
 class WorkerError(LaunchError):
-    """A rank raised. ``failures`` maps rank -> the worker's formatted traceback.
+    """One or more ranks raised. The message is short: each distinct error once, with
+    the ranks that raised it and the line of *your* code it came from, no library frames.
 
-    The original exception, when it could be pickled back, is the ``__cause__``.
+    ``tracebacks`` (alias ``failures``) maps rank -> that worker's full formatted
+    traceback; ``ranks`` lists the failing ranks. The original exception, when it
+    could be pickled back, is the ``__cause__``::
+
+        >>> try:                                              # doctest: +SKIP
+        ...     launch(my_exercise, 4)
+        ... except WorkerError as err:
+        ...     print(err)                # ranks 0-3 failed: NotImplementedError: ...
+        ...     print(err.tracebacks[0])  # rank 0's whole traceback
     """
 
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = failures
+        self.tracebacks = failures
         self.ranks = sorted(failures)
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython/Jupyter shows this instead of a traceback through launch's internals.
+        return [f"WorkerError: {self}"]
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -274,11 +289,15 @@ def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> No
         raise TypeError(f"launch(fn, world_size): fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        gpus = torch.cuda.device_count()
+        raise ValueError(f"world_size={world_size} needs {world_size} GPUs with NCCL (one per rank) and this "
+                         f"machine has {gpus}: use world_size=dist.lab_world_size({world_size}) (= {gpus} here), "
+                         f"or backend='gloo' to run {world_size} ranks on the CPU")
     limit = max_world_size(backend)
     if world_size > limit:
-        where = f"{torch.cuda.device_count()} GPUs" if backend == "nccl" else f"{os.cpu_count()} CPU cores"
-        raise ValueError(f"world_size={world_size} is more than this machine runs sensibly ({where}: at most "
-                         f"{limit}); use world_size <= {limit}, or torchrun across machines for more")
+        raise ValueError(f"world_size={world_size} is more than this machine runs sensibly ({os.cpu_count()} CPU "
+                         f"cores: at most {limit}); use world_size <= {limit}, or torchrun across machines for more")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
 
@@ -335,10 +354,7 @@ def _results_or_raise(outcomes: dict[int, tuple], world_size: int, timeout: floa
         # Report root causes first: a peer's "connection reset" only when nothing else failed.
         causes = {r: o for r, o in errors.items() if not _is_peer_failure(o)} or errors
         ranks = sorted(causes)
-        head = "; ".join(f"rank {r}: {causes[r][2]}" for r in ranks)
-        body = "\n".join(f"\n--- traceback of rank {r} ---\n{causes[r][3].rstrip()}" for r in ranks)
-        error = WorkerError(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} "
-                            f"failed: {head}\n{body}", {r: causes[r][3] for r in ranks})
+        error = WorkerError(_short_report(causes), {r: causes[r][3] for r in ranks})
         original = _unpickle_exception(causes[ranks[0]][4])
         raise error from original
     missing = [r for r in range(world_size) if r not in outcomes]
@@ -347,6 +363,37 @@ def _results_or_raise(outcomes: dict[int, tuple], world_size: int, timeout: floa
         raise LaunchTimeout(f"timed out after {timeout:g} s; ranks still running: {missing} "
                             f"(a collective waiting for a peer, or an endless loop?){stacks}", missing)
     return [cloudpickle.loads(outcomes[r][2]) for r in range(world_size)]
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> 'ranks 0-3'; [1] -> 'rank 1'; [0, 2] -> 'ranks 0, 2'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _user_frame(tb: str) -> str:
+    """'in fn, line N' of the innermost frame outside launch/multiprocessing/torch ('' if none)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
+    mine = [(f, ln, fn) for f, ln, fn in frames
+            if not any(x in f for x in ("minifsdp/launch.py", "/multiprocessing/", "/torch/", "site-packages"))]
+    if not mine:
+        return ""
+    f, ln, fn = mine[-1]
+    where = "a notebook cell" if f.startswith("<") or "ipykernel" in f else os.path.basename(f)
+    return f" (in {fn}, line {ln} of {where})"
+
+
+def _short_report(causes: dict[int, tuple]) -> str:
+    """Each distinct error once, with the ranks that raised it: the hint of a lab stub is read once."""
+    by_message: dict[str, list[int]] = {}
+    for r in sorted(causes):
+        by_message.setdefault(causes[r][2], []).append(r)
+    lines = [f"{_rank_list(ranks)} failed: {message}{_user_frame(causes[ranks[0]][3])}"
+             for message, ranks in by_message.items()]
+    return "\n".join(lines) + "\n(each rank's full traceback: err.tracebacks[rank])"
 
 
 def _unpickle_exception(data: bytes | None) -> BaseException | None:

@@ -51,9 +51,10 @@ Conventions (checked by ``lint_notebook`` and the tests)
 ========================================================
 * The first cell is markdown and starts with a ``# Title``.
 * Each exercise cell (one containing ``# BEGIN SOLUTION``) is followed by a
-  check cell: the next code cell starts with a ``# CHECK`` comment line and
-  contains an ``assert`` with a message, or a ``raise`` with a message, in
-  words, so a learner knows what went wrong.
+  check cell: the next code cell starts with a ``# CHECK`` comment line. In a
+  notebook that imports ``minifsdp.labcheck`` the check cell is exactly one
+  call, ``check.name(...)`` (the logic lives in the package, LAB-GUIDE §2);
+  otherwise it contains an ``assert`` or ``raise`` with a message in words.
 * Solution notebooks carry no large outputs (they are built without any).
 * Cells marked ``# NBVAL_CHECK_OUTPUT`` print the same thing every run.
 
@@ -323,6 +324,25 @@ def has_worded_check(source: str) -> bool:
     return False
 
 
+def is_check_call(source: str) -> bool:
+    """True if the cell's code is exactly one call of a labcheck check: ``check.name(...)``.
+
+    That is the check-cell form of LAB-GUIDE §2: the logic lives in
+    ``minifsdp.labcheck``, so the notebook holds no reference implementation.
+    """
+    tree = _parse_cell(source)
+    if tree is None or len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return False
+    call = tree.body[0].value
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "check")
+
+
+def uses_labcheck(nb: NotebookNode) -> bool:
+    """True if the notebook imports its checks from ``minifsdp.labcheck``."""
+    return any(c.cell_type == "code" and "minifsdp.labcheck" in c.source for c in nb.cells)
+
+
 def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
                   max_output_bytes: int = MAX_OUTPUT_BYTES) -> list[str]:
     """Every convention problem of a solution notebook, as readable sentences."""
@@ -332,6 +352,7 @@ def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
             not first.source.lstrip().startswith("# "):
         problems.append(f"{name}: the first cell must be markdown starting with '# Title'")
     code = [(i, c) for i, c in enumerate(nb.cells, start=1) if c.cell_type == "code"]
+    labcheck = uses_labcheck(nb)
     for position, (index, cell) in enumerate(code):
         for output in cell.get("outputs", []):
             size = len(json.dumps(output))
@@ -348,7 +369,10 @@ def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
         if nxt is None or not nxt[1].source.lstrip().startswith("# CHECK"):
             problems.append(f"{name}: exercise cell {index} must be followed by a check cell "
                             "(the next code cell starts with a '# CHECK' comment)")
-        elif not has_worded_check(nxt[1].source):
+        elif labcheck and not is_check_call(nxt[1].source):
+            problems.append(f"{name}: check cell {nxt[0]} must be one call, check.<name>(...), with "
+                            "the checking logic in minifsdp/labcheck/ (no reference logic in a notebook)")
+        elif not labcheck and not has_worded_check(nxt[1].source):
             problems.append(f"{name}: check cell {nxt[0]} needs an assert or raise with a "
                             "message in words, e.g. assert ok, \"the sum is wrong\"")
     return problems

@@ -1,17 +1,30 @@
 """How a check speaks: one line, passed or what is wrong, and whose code ran.
 
 Every check in ``minifsdp.labcheck`` ends in :func:`passed` or :func:`failed`.
-``failed`` prints the reason and raises :class:`CheckFailed`, so a failing
-check cell is red in the notebook (and fails nbval) while the learner reads
-one sentence, not a traceback::
+``failed`` raises :class:`CheckFailed`, so a failing check cell is red in the
+notebook (and fails nbval) while the learner reads one sentence, not a
+traceback::
 
-    >>> passed("ring all-gather", "4 ranks, 3 rounds of send/recv, 96 B sent per rank (target 96 B)")
-    ✅ ring all-gather: 4 ranks, 3 rounds of send/recv, 96 B sent per rank (target 96 B)
+    >>> passed("ring all-gather", figures("bytes sent per rank", 96, 96, 96, unit="B"))
+    ✅ ring all-gather: bytes sent per rank: yours 96 B, target 96 B, library 96 B
+
+The other helpers are what most checks need:
+
+* :func:`run` runs the learner's worker on N ranks through ``launch`` and turns
+  an unfinished exercise (the lab's ``NotImplementedError``) or a crash into one
+  sentence instead of a traceback per rank;
+* :func:`not_implemented` and :func:`is_library` / :func:`uses` tell the blank
+  lab and a call to the library apart from the learner's own code (LAB-GUIDE §1:
+  "the check must tell the learner's own code from a call to the library").
 """
 from __future__ import annotations
 
+import dis
 import inspect
+import types
 from typing import Any, Callable
+
+from ..launch import LaunchTimeout, WorkerError, launch
 
 
 class CheckFailed(AssertionError):
@@ -31,6 +44,18 @@ def failed(what: str, why: str) -> None:
     raise CheckFailed(f"{what}: {why}")
 
 
+def figures(label: str, yours: Any, target: Any, library: Any = None, unit: str = "") -> str:
+    """'label: yours X, target Y, library Z' — the learner's figure beside the target and the library's."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            v = f"{v:.3g}"
+        elif isinstance(v, int) and not isinstance(v, bool):
+            v = f"{v:,}"
+        return f"{v} {unit}".rstrip()
+    text = f"{label}: yours {fmt(yours)}, target {fmt(target)}"
+    return text + (f", library {fmt(library)}" if library is not None else "")
+
+
 def not_implemented(fn: Callable[..., Any]) -> bool:
     """True when ``fn`` still raises the blank lab's ``NotImplementedError`` placeholder."""
     try:
@@ -38,6 +63,17 @@ def not_implemented(fn: Callable[..., Any]) -> bool:
     except (OSError, TypeError):
         return False
     return "raise NotImplementedError" in src
+
+
+def require_written(what: str, *fns: Callable[..., Any]) -> None:
+    """Fail with 'not written yet' when one of ``fns`` is still the blank lab's stub."""
+    for fn in fns:
+        if not callable(fn):
+            failed(what, f"expected a function, got {type(fn).__name__}: pass the function itself, without ()")
+        if not_implemented(fn):
+            failed(what, f"{getattr(fn, '__name__', 'the exercise')} is not written yet (it still raises "
+                         "NotImplementedError): fill in the part between the exercise markers, run that cell, "
+                         "then this one")
 
 
 def is_library(fn: Any, *library: Any) -> bool:
@@ -50,3 +86,63 @@ def is_library(fn: Any, *library: Any) -> bool:
         return True
     module = getattr(fn, "__module__", "") or ""
     return module.startswith("minifsdp.") and not module.startswith("minifsdp.labcheck")
+
+
+def _code_objects(code: types.CodeType) -> list[types.CodeType]:
+    out = [code]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out += _code_objects(const)
+    return out
+
+
+def uses(fn: Any, *names: str) -> list[str]:
+    """Which of ``names`` the body of ``fn`` (nested functions included) refers to.
+
+    ``uses(my_all_gather, "all_gather", "all_reduce")`` -> ``["all_reduce"]`` for a
+    learner who wrote ``comm.all_reduce(...)``: global, attribute and method names
+    are read from the compiled code, so comments and strings do not count.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found: set[str] = set()
+    for c in _code_objects(code):
+        found.update(c.co_names)
+        found.update(ins.argval for ins in dis.get_instructions(c)
+                     if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and isinstance(ins.argval, str))
+    return [n for n in names if n in found]
+
+
+def run(what: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+        **kwargs: Any) -> list:
+    """``launch(fn, world_size, *args)``, with a failing worker turned into one sentence.
+
+    An exercise still raising the lab's ``NotImplementedError`` reads "not written
+    yet: <hint>"; any other error names the ranks and the error, once.
+    """
+    try:
+        return launch(fn, world_size, *args, timeout=timeout, **kwargs)
+    except WorkerError as err:
+        first = str(err).splitlines()[0]
+        if "NotImplementedError" in first:
+            hint = first.split("NotImplementedError:", 1)[1].strip()
+            failed(what, f"not written yet (it raised NotImplementedError on {first.split(' failed')[0]}): {hint}")
+        failed(what, f"your code raised an error on {first}")
+    except LaunchTimeout as err:
+        failed(what, f"no result after {timeout:g} s on ranks {err.running}: a rank waits for a message that "
+                     "no peer sends (every send needs a matching receive, every collective all ranks)")
+    raise AssertionError("unreachable")
+
+
+def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)`` in this process, an unfinished exercise or a crash turned into one sentence."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as err:
+        failed(what, f"not written yet (it raised NotImplementedError): {err}")
+    except CheckFailed:
+        raise
+    except Exception as err:  # noqa: BLE001 - the learner's code: say what it raised, in one line
+        failed(what, f"your code raised {type(err).__name__}: {err}")
+    raise AssertionError("unreachable")

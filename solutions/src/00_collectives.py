@@ -4,20 +4,28 @@
 # %% [markdown]
 # # 00 — Collectives: how ranks talk to each other
 #
-# Every technique in this course — data parallel (DDP), ZeRO, FSDP, pipeline
-# and tensor parallelism — is ordinary single-device PyTorch glued together by
-# a handful of **collective operations**: calls that every process of a group
-# makes together, and that move or combine their tensors.
+# Every technique in this course — data parallel (DDP), ZeRO, FSDP — is
+# ordinary single-device PyTorch glued together by a handful of **collective
+# operations**: calls that every process of a group makes together, and that
+# move or combine their tensors.
 #
-# In this lab you will
+# **You will be able to**: start ranks from a notebook cell; say what
+# `all_reduce`, `all_gather`, `reduce_scatter` and `broadcast` leave on each
+# rank; **build** a ring all-gather, reduce-scatter and all-reduce from
+# point-to-point messages and count the bytes a rank sends; **draw your own
+# ring's timeline** from the tracer; read a bandwidth curve.
 #
-# 1. start several processes (*ranks*) from a notebook cell and get their results back;
-# 2. see what `all_reduce`, `all_gather`, `reduce_scatter` and `broadcast` do — drawn, then run on 4 ranks;
-# 3. **build** `all_gather` and `reduce_scatter` yourself out of point-to-point messages (a ring), then an all-reduce out of those two;
-# 4. measure what collectives cost: time against message size, algorithm and bus bandwidth;
-# 5. look at a run's timeline, and export it for Perfetto.
+# **Prerequisites**: PyTorch tensors; no distributed experience.
+# **Time**: about 60 minutes of work; the cells compute for about 1 minute on a
+# laptop (CPU, `gloo`), less on GPUs (`nccl`, one rank per GPU: a 1- or 2-GPU
+# VM runs fewer ranks, see `dist.lab_world_size`).
 #
-# Everything runs on CPU with the `gloo` backend; the same code runs on GPUs with `nccl`.
+# **Exercises** (your code between the markers, each followed by a one-call check):
+# 1. ring all-gather · 2. ring reduce-scatter · 3. ring all-reduce and its bytes ·
+# 4. draw your ring's timeline.
+#
+# Symbols: N = world size (number of ranks); S = bytes of a tensor; Ψ = number of
+# parameters of a model (used from lab 01 on).
 
 # %%
 import os
@@ -31,7 +39,9 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from minifsdp import LaunchTimeout, WorkerError, comm, dist, launch, plot, trace
+from minifsdp.labcheck import lab00 as check
 
+N2, N4 = dist.lab_world_size(2), dist.lab_world_size(4)  # 4 ranks on a laptop; fewer on a VM with fewer GPUs (one rank per GPU)
 print(f"torch {torch.__version__}, {os.cpu_count()} CPU core(s), CUDA available: {torch.cuda.is_available()}")
 
 # %% [markdown]
@@ -61,10 +71,10 @@ def who_am_i():
             "backend": dist.backend(), "pid": os.getpid()}
 
 
-results = launch(who_am_i, 4, timeout=60)
+results = launch(who_am_i, N4, timeout=60)
 for res in results:
     print(f"rank {res['rank']} of {res['world_size']}: device={res['device']}, backend={res['backend']}")
-print("four different processes:", len({res["pid"] for res in results}) == 4)
+print(f"{N4} different processes:", len({res["pid"] for res in results}) == N4)
 print("and this notebook is none of them:", os.getpid() not in {res["pid"] for res in results},
       f"(here dist.rank()={dist.rank()}, dist.world_size()={dist.world_size()})")
 
@@ -77,26 +87,28 @@ print("and this notebook is none of them:", os.getpid() not in {res["pid"] for r
 #
 # If one rank raises, its peers are usually stuck in a collective, waiting
 # for a message that never comes. `launch` collects every rank's outcome,
-# re-raises the **root cause** as a `WorkerError` (naming the rank, with the
-# worker's traceback) instead of the peers' "connection reset by peer", and
-# stops the other ranks.
+# re-raises the **root cause** as a `WorkerError` — one short message: the error
+# once, which ranks raised it, and the line of *your* code — instead of the
+# peers' "connection reset by peer", and stops the other ranks. Each rank's full
+# traceback is one attribute away: `err.tracebacks[rank]`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def fails_on_rank_2():
+def fails_on_last_rank():
     x = torch.ones(3, device=dist.device())
-    if dist.rank() == 2:
-        raise ValueError("rank 2 found a corrupt batch")
-    comm.all_reduce(x)  # ranks 0, 1 and 3 wait here for rank 2, which never arrives
+    if dist.rank() == dist.world_size() - 1:
+        raise ValueError("the last rank found a corrupt batch")
+    comm.all_reduce(x)  # the other ranks wait here for the last one, which never arrives
     return x
 
 
 try:
-    launch(fails_on_rank_2, 4, timeout=30)
+    launch(fails_on_last_rank, N2, timeout=30)
 except WorkerError as err:
-    print(str(err).splitlines()[0])
+    print(err)
     print("failed ranks:", err.ranks)
     print("the original exception:", repr(err.__cause__))
+    print("last line of rank 1's full traceback:", err.tracebacks[1].strip().splitlines()[-1])
 
 # %% [markdown]
 # A *hang* is worse than an error: a rank waiting for a message nobody sends
@@ -112,14 +124,14 @@ except WorkerError as err:
 def waits_for_a_message_never_sent():
     if dist.rank() == 0:
         inbox = torch.zeros(1, device=dist.device())
-        comm.recv(inbox, src=1)  # rank 1 never calls send: this blocks forever
+        comm.recv(inbox, src=dist.world_size() - 1)  # rank 1 never calls send: this blocks forever
     return dist.rank()
 
 
 print(f"PyTorch's default process-group timeout: {default_pg_timeout} (h:mm:ss)")
 start = time.perf_counter()
 try:
-    launch(waits_for_a_message_never_sent, 2, timeout=3)
+    launch(waits_for_a_message_never_sent, N2, timeout=3)
 except LaunchTimeout as err:  # launch's deadline passed: it says who was still running, and where
     print(f"LaunchTimeout after {time.perf_counter() - start:.1f} s; ranks still running: {err.running}")
     print(str(err).split("\n", 1)[1])  # where each rank was (most recent call first)
@@ -163,7 +175,7 @@ def show(results):
         print(f"rank {r}: {before.int().tolist()!s:<20} -> {after.int().tolist()}")
 
 
-show(launch(run_all_reduce, 4, timeout=60))
+show(launch(run_all_reduce, N4, timeout=60))
 
 # %% [markdown]
 # ### all_gather: everyone gets everyone's chunk, in rank order
@@ -182,7 +194,7 @@ def run_all_gather():
     return shard.cpu(), comm.all_gather(shard).cpu()    # a new tensor, world_size times longer
 
 
-show(launch(run_all_gather, 4, timeout=60))
+show(launch(run_all_gather, N4, timeout=60))
 
 # %% [markdown]
 # ### reduce_scatter: sum, then rank *i* keeps chunk *i*
@@ -201,16 +213,16 @@ def run_reduce_scatter():
     return x.cpu(), comm.reduce_scatter(x).cpu()  # a new tensor, world_size times shorter
 
 
-show(launch(run_reduce_scatter, 4, timeout=60))
+show(launch(run_reduce_scatter, N4, timeout=60))
 
 # %% [markdown]
 # ### broadcast: everyone gets one rank's tensor
 #
 # DDP and FSDP broadcast rank 0's initial weights, so that every replica
-# starts from the same model. Here the source is rank 2.
+# starts from the same model. Here the source is the last rank (rank 3 of 4 in the drawing).
 
 # %%
-plot.collective_diagram("broadcast", 4, src=2)
+plot.collective_diagram("broadcast", 4, src=3)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -221,7 +233,7 @@ def run_broadcast(src):
     return before.cpu(), x.cpu()
 
 
-show(launch(run_broadcast, 4, 2, timeout=60))
+show(launch(run_broadcast, N4, N4 - 1, timeout=60))
 
 # %% [markdown]
 # ### all_reduce = reduce_scatter + all_gather
@@ -253,7 +265,7 @@ def both_ways(numel):
 
 
 TOLERANCE = 1e-5  # fp32 sums of 4 standard normals: order-dependent rounding is ~1e-7
-for n in (2, 4):
+for n in sorted({dist.lab_world_size(2), N4}):
     results = launch(both_ways, n, 1024, timeout=60)
     worst = max(diff for diff, _ in results)
     assert worst < TOLERANCE, f"all_reduce and reduce_scatter+all_gather differ by {worst}"
@@ -323,46 +335,7 @@ def my_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 # %%
 # CHECK: my_all_gather gives comm.all_gather's result on every rank, at world sizes 2 and 4
-COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
-
-
-def used_collectives(tracer):
-    """Names of the collectives a traced call used (the exercise asks for isend/irecv only)."""
-    return sorted({s.name for s in tracer.trace.comm_spans()} & COLLECTIVES)
-
-
-def compare_all_gather(numel):
-    x = torch.arange(numel, dtype=torch.float32, device=dist.device()) + 100 * dist.rank()  # names its rank
-    with trace.Tracer() as tracer:
-        mine = my_all_gather(x.clone())
-    return mine.cpu(), comm.all_gather(x).cpu(), used_collectives(tracer)
-
-
-def all_gather_problem(mine, want, used, rank, n):
-    """What is wrong with one rank's result, in words (None when it is right)."""
-    if used:
-        return f"it called comm.{used[0]}: build it from comm.isend / comm.irecv only"
-    if not isinstance(mine, torch.Tensor) or mine.shape != want.shape:
-        return (f"it returned {getattr(mine, 'shape', type(mine).__name__)}, expected shape "
-                f"{tuple(want.shape)}: one chunk of x.numel() elements per rank")
-    got, ref = mine.chunk(n), want.chunk(n)
-    for j in range(n):
-        if torch.equal(got[j], ref[j]):
-            continue
-        came_from = [i for i in range(n) if torch.equal(got[j], ref[i])]
-        if came_from:
-            return (f"chunk {j} holds rank {came_from[0]}'s data: wrong chunk order, chunk j must "
-                    "come from rank j (check which chunk you receive into at each step)")
-        return (f"chunk {j} (rank {j}'s data) never arrived: did all n - 1 steps run, "
-                "and did you wait() on every irecv before returning?")
-    return None
-
-
-for n in (2, 4):
-    for r, (mine, want, used) in enumerate(launch(compare_all_gather, n, 3, timeout=30)):
-        problem = all_gather_problem(mine, want, used, r, n)
-        assert problem is None, f"my_all_gather at world size {n}, rank {r}: {problem}"
-print("my_all_gather matches comm.all_gather at world sizes 2 and 4")
+check.ring_all_gather(my_all_gather)
 
 # %% [markdown]
 # ### Exercise 2: `my_reduce_scatter`
@@ -410,78 +383,31 @@ def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
 
 # %%
 # CHECK: my_reduce_scatter gives comm.reduce_scatter's result on every rank, at world sizes 2 and 4
-def compare_reduce_scatter(numel):
-    # Element k of rank r is (k + 1) * 10**r: in a sum, the decimal digits say which ranks contributed.
-    x = torch.arange(1, numel + 1, dtype=torch.float64, device=dist.device()) * 10 ** dist.rank()
-    with trace.Tracer() as tracer:
-        mine = my_reduce_scatter(x)
-    return mine.cpu(), comm.reduce_scatter(x).cpu(), used_collectives(tracer)
-
-
-def contributions(values, base):
-    """Which ranks' data is in ``values``, read from the decimal digits (None if not a clean sum)."""
-    ratio = values / base
-    if not torch.all(ratio == ratio[0]) or ratio[0] != ratio[0].round() or ratio[0] < 0:
-        return None
-    return [int(d) for d in reversed(str(int(ratio[0].item())))]  # digit i = times rank i was added
-
-
-def reduce_scatter_problem(mine, want, used, rank, n, numel):
-    if used:
-        return f"it called comm.{used[0]}: build it from comm.isend / comm.irecv only"
-    if not isinstance(mine, torch.Tensor) or mine.shape != want.shape:
-        return (f"it returned {getattr(mine, 'shape', type(mine).__name__)}, expected shape "
-                f"{tuple(want.shape)}: this rank's chunk, x.numel() / world_size elements")
-    if torch.equal(mine, want):
-        return None
-    bases = torch.arange(1, numel + 1, dtype=torch.float64).chunk(n)
-    for j in [rank] + [j for j in range(n) if j != rank]:
-        digits = contributions(mine, bases[j])
-        if digits is None:
-            continue
-        digits += [0] * (n - len(digits))
-        where = "" if j == rank else f"it holds chunk {j} instead of chunk {rank} (shift the chunk indices); "
-        if digits == [1] * n:
-            return where + "the sum itself is right"
-        if digits == [1 if i == rank else 0 for i in range(n)]:
-            return where + "nothing was added to this rank's own data: run n - 1 steps, adding each incoming chunk"
-        missing = [i for i in range(n) if digits[i] == 0]
-        twice = [i for i in range(n) if digits[i] > 1]
-        problems = []
-        if missing:
-            problems.append(f"ranks {missing} are missing from the sum"
-                            + (" (this rank's own data too: add_ the incoming chunk, don't copy_ it)"
-                               if rank in missing else " (did all n - 1 steps run?)"))
-        if twice:
-            problems.append(f"ranks {twice} are counted more than once (add each incoming chunk once)")
-        return where + "; ".join(problems)
-    return ("the values are not a sum of whole chunks: check that you add `incoming` after waiting on "
-            "the irecv, and into the chunk that just arrived")
-
-
-for n in (2, 4):
-    for r, (mine, want, used) in enumerate(launch(compare_reduce_scatter, n, 8, timeout=30)):
-        problem = reduce_scatter_problem(mine, want, used, r, n, 8)
-        assert problem is None, f"my_reduce_scatter at world size {n}, rank {r}: {problem}"
-print("my_reduce_scatter matches comm.reduce_scatter at world sizes 2 and 4")
+check.ring_reduce_scatter(my_reduce_scatter)
 
 # %% [markdown]
 # ### Exercise 3: a ring all-reduce, and what it sends
 #
 # With the identity of section 2, a ring all-reduce is your reduce-scatter
-# followed by your all-gather. How many bytes does **one rank send** for a
-# tensor of S bytes on N ranks? In each of the two halves it sends N-1 chunks
-# of S/N bytes. Write both; the check cell runs your all-reduce under a
-# tracer, adds up the bytes of every `send` it recorded, and holds them
-# against your formula and against the `ring_bytes` that `comm.all_reduce`
-# records for a tensor of the same size.
+# followed by your all-gather. Real tensors rarely divide by N: pad the
+# tensor with zeros to a multiple of N elements (zeros do not change a sum),
+# reduce, and cut the padding off the result. How many bytes does **one rank
+# send** for a tensor of S bytes on N ranks? In each of the two halves it
+# sends N-1 chunks of S/N bytes. Write both; the check runs your all-reduce
+# under a tracer, adds up the bytes of every `send` it recorded, and holds
+# them against your formula and against the `ring_bytes` that
+# `comm.all_reduce` records for a tensor of the same size.
 
 # %%
 def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of the 1-D ``x`` (numel divisible by the world size), on every rank."""
+    """The sum over ranks of the 1-D ``x`` (any number of elements), on every rank."""
     # BEGIN SOLUTION
-    # HINT: all_reduce = reduce_scatter + all_gather: one line, with your two functions.
-    return my_all_gather(my_reduce_scatter(x))
+    # HINT: all_reduce = reduce_scatter + all_gather, with your two functions; first pad x with zeros
+    # HINT: to a multiple of the world size (comm.pad_to_multiple), and at the end keep only the first
+    # HINT: x.numel() elements.
+    padded = comm.pad_to_multiple(x, dist.world_size())
+    summed = my_all_gather(my_reduce_scatter(padded))
+    return summed[:x.numel()]
     # END SOLUTION
 
 
@@ -494,36 +420,8 @@ def ring_bytes_sent(nbytes: int, world_size: int) -> int:
 
 
 # %%
-# CHECK: my_all_reduce sums like comm.all_reduce, and ring_bytes_sent counts what a rank really sends
-def compare_all_reduce(numel):
-    torch.manual_seed(dist.rank())
-    x = torch.randn(numel, device=dist.device())
-    with trace.Tracer() as mine_traced:
-        mine = my_all_reduce(x)
-    with trace.Tracer() as real_traced:
-        want = x.clone()
-        comm.all_reduce(want)
-    sent = sum(s.args["bytes"] for s in mine_traced.trace.comm_spans() if s.name == "send")
-    real_ring = sum(s.args["ring_bytes"] for s in real_traced.trace.comm_spans())
-    return (mine - want).abs().max().item(), sent, real_ring, used_collectives(mine_traced)
-
-
-NUMEL = 3 * 1024  # 12 KiB of fp32, divisible by 2, 3 and 4
-TOLERANCE = 1e-5  # fp32: the ring adds in another order than gloo
-for n in (2, 4):
-    for r, (diff, sent, real_ring, used) in enumerate(launch(compare_all_reduce, n, NUMEL, timeout=30)):
-        where = f"world size {n}, rank {r}"
-        assert not used, f"{where}: my_all_reduce called comm.{used[0]}; use your ring functions"
-        assert diff < TOLERANCE, (f"{where}: my_all_reduce differs from comm.all_reduce by {diff:.3g}; "
-                                  "did you call my_reduce_scatter first, then my_all_gather on its result?")
-        formula = ring_bytes_sent(NUMEL * 4, n)
-        assert formula != 2 * NUMEL * 4, (f"{where}: ring_bytes_sent returned 2S, the all-reduce *volume*; "
-                                          "a rank never sends the chunk it keeps: (n - 1) / n of that")
-        assert formula == sent, (f"{where}: ring_bytes_sent says {formula} bytes but your ring sent {sent}: "
-                                 "count n - 1 chunks of S / n bytes in each of the two halves")
-        assert sent == real_ring, f"{where}: your ring sent {sent} bytes, the tracer's ring_bytes say {real_ring}"
-    print(f"{n} ranks, S = {NUMEL * 4} bytes: each rank sent {sent} bytes = 2(N-1)/N·S "
-          f"= comm.all_reduce's ring_bytes; result within {TOLERANCE:g} of comm.all_reduce")
+# CHECK: my_all_reduce sums like comm.all_reduce (padded sizes too); ring_bytes_sent counts what a rank sends
+check.ring_all_reduce(my_all_reduce, ring_bytes_sent)
 
 # %% [markdown]
 # Notice: the bytes a rank sends, `2(N-1)/N · S`, *barely depend on N* — just
@@ -532,7 +430,7 @@ for n in (2, 4):
 #
 # How does your ring compare with the library's all-reduce (gloo's C++ code,
 # or NCCL's on GPUs)? Same bytes, but yours pays Python overhead and waits at
-# each of its 2(N-1) steps. Timed on 4 ranks, median of a few calls:
+# each of its 2(N-1) steps. Timed on 4 ranks (or fewer GPUs), median of a few calls:
 
 # %%
 def time_my_ring_and_library(numel, repeats):
@@ -557,10 +455,57 @@ def time_my_ring_and_library(numel, repeats):
 
 
 for numel in (1024, 256 * 1024):  # 4 KiB and 1 MiB of fp32
-    timed = launch(time_my_ring_and_library, 4, numel, 5, timeout=60)
+    timed = launch(time_my_ring_and_library, N4, numel, 5, timeout=60)
     mine, library = (max(t[name] for t in timed) for name in ("my_all_reduce", "comm.all_reduce"))
-    print(f"{plot.human_bytes(numel * 4):>8}, 4 ranks: my_all_reduce {mine * 1e3:6.2f} ms, "
+    print(f"{plot.human_bytes(numel * 4):>8}, {N4} ranks: my_all_reduce {mine * 1e3:6.2f} ms, "
           f"comm.all_reduce {library * 1e3:6.2f} ms ({mine / library:.1f}x)")
+
+# %% [markdown]
+# ### Exercise 4: draw your ring
+#
+# The tracer recorded every `send` of your ring as a span (name, start and end
+# in seconds from `time.perf_counter`, `args["bytes"]`). Draw them: one row per
+# rank, one horizontal bar per send, from its start to its end, in
+# **milliseconds after the first send of any rank** (`t0`). Colour the
+# reduce-scatter half (a rank's first N-1 sends) apart from the all-gather half
+# (the last N-1), label the x axis with its unit, and name the rows. The check
+# runs your `my_all_reduce` on 4 ranks, calls your function with the four traces
+# and an empty `ax`, compares each bar with the tracer's spans, and draws the
+# library's `plot.timeline` of the same run under yours.
+
+# %%
+def draw_ring_timeline(traces: list, ax) -> None:
+    """One row per rank (y = rank), one bar per send span: x in ms after t0, reduce-scatter vs all-gather coloured."""
+    sends = {tr.rank: [s for s in tr.comm_spans() if s.name == "send"] for tr in traces}
+    t0 = min(s.start for spans in sends.values() for s in spans)
+    # BEGIN SOLUTION
+    # HINT: for every rank, walk its sends in order; a send's bar starts (start - t0) in ms after t0 and is
+    # HINT: its duration long, on the row y = rank (matplotlib's horizontal bar, with its left edge given).
+    # HINT: The first half of a rank's sends is the reduce-scatter, the second half the all-gather.
+    for rank, spans in sends.items():
+        half = len(spans) // 2
+        for i, s in enumerate(spans):
+            phase = "reduce_scatter" if i < half else "all_gather"
+            ax.barh(rank, (s.end - s.start) * 1e3, left=(s.start - t0) * 1e3, height=0.6,
+                    color=plot.color_for(phase), edgecolor="k", linewidth=0.5,
+                    label=phase if rank == 0 and i in (0, half) else None)
+            ax.text((s.start - t0) * 1e3, rank + 0.35, f"{i}", fontsize=7, va="bottom")
+    ax.set_yticks(list(sends), [f"rank {r}" for r in sends])
+    ax.invert_yaxis()
+    ax.set_xlabel("time after the first send (ms)")
+    ax.set_title("my ring all-reduce: one bar per send (number = step)")
+    ax.legend(fontsize=8, loc="lower right")
+    # END SOLUTION
+
+
+# %%
+# CHECK: one bar per send of your ring, at the tracer's times, one row per rank; the library's drawing below
+check.ring_timeline(draw_ring_timeline, my_all_reduce)
+
+# %% [markdown]
+# Takeaway: every step of the ring waits for its slowest link — a send can only
+# start once the previous step's receive has arrived — so the ring is as fast as
+# its slowest rank, 2(N-1) times over.
 
 # %% [markdown]
 # ## 4. What a collective costs
@@ -616,8 +561,9 @@ def time_collectives(sizes, repeats):
     return tracer.trace
 
 
+WORLDS = sorted({N2, N4})
 rows = []  # one per timed call: op, world size, S, ring bytes, seconds (slowest rank)
-for n in (2, 4):
+for n in WORLDS:
     traces = launch(time_collectives, n, SIZES, REPEATS, timeout=120)
     calls = [[s for s in tr.comm_spans() if s.name in OPS] for tr in traces]
     for same_call in zip(*calls):  # the i-th call of every rank
@@ -630,6 +576,10 @@ print(f"{len(rows)} timed calls")
 plot.bandwidth(rows, title="time per call vs tensor size S (dotted: constant algbw = S / t)",
                xlabel="tensor size S (bytes)")
 
+# %% [markdown]
+# Takeaway: below some size a call costs the same whatever S (latency-bound); above it, time grows with S
+# (bandwidth-bound).
+
 # %%
 def median_row(op, n, nbytes):
     times = [r["seconds"] for r in rows if (r["op"], r["world_size"], r["bytes"]) == (op, n, nbytes)]
@@ -639,7 +589,7 @@ def median_row(op, n, nbytes):
 
 print(f"{'collective':<15}{'ranks':>6}{'S':>10}{'time':>11}{'algbw':>12}{'busbw':>12}")
 for op in OPS:
-    for n in (2, 4):
+    for n in WORLDS:
         for nbytes in (SIZES[0], SIZES[-1]):
             t, ring = median_row(op, n, nbytes)
             print(f"{op:<15}{n:>6}{plot.human_bytes(nbytes):>10}{t * 1e3:>9.2f} ms"
@@ -652,7 +602,7 @@ for op in OPS:
 # %%
 fig, ax = plt.subplots(figsize=(8, 4))
 for op in OPS:
-    for n, style in ((2, "-o"), (4, "--s")):
+    for n, style in zip(WORLDS, ("-o", "--s")):
         medians = [median_row(op, n, nbytes) for nbytes in SIZES]
         ax.plot(SIZES, [ring / t / 1e9 for t, ring in medians], style, color=plot.color_for(op),
                 label=f"{op}, {n} ranks")
@@ -665,12 +615,17 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
+# Takeaway: with the ring factor taken out, the collectives and world sizes fall near one curve — the
+# link's bandwidth — once messages are large.
+#
+# ### Optional deep dive: fitting the α-β model
+#
 # Fitting the α-β model to the all-reduce points (least squares on the
 # measured medians, weighted by 1/t so that small messages count as much as
 # large ones) gives this machine's latency per call and bus bandwidth:
 
 # %%
-for n in (2, 4):
+for n in WORLDS:
     x = np.array([median_row("all_reduce", n, s)[1] for s in SIZES], dtype=float)  # ring bytes
     t = np.array([median_row("all_reduce", n, s)[0] for s in SIZES])
     inv_bw, alpha = np.polyfit(x, t, 1, w=1 / t)
@@ -679,7 +634,7 @@ for n in (2, 4):
 print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 
 # %% [markdown]
-# How to read this:
+# How to read the curves:
 #
 # * On the time plot, a line parallel to the dotted diagonals is
 #   bandwidth-bound; a flat one latency-bound. Where does each curve bend?
@@ -726,8 +681,12 @@ def toy_data_parallel(steps, dim, rows):
     return tracer.trace
 
 
-traces = launch(toy_data_parallel, 2, 3, 256, 1024, timeout=60)
-plot.timeline(traces, title="toy data parallel, 2 ranks, 3 steps (rank 1 has 3x the data)")
+traces = launch(toy_data_parallel, N2, 3, 256, 1024, timeout=60)
+fig, ax = plot.column_figure(height=2.8)
+plot.timeline(traces, ax=ax, title=f"toy data parallel, {N2} ranks, 3 steps (rank 1 has 3x the data); time in ms")
+
+# %% [markdown]
+# Takeaway: the rank with less work reaches `all_reduce` first and waits there for the other.
 
 # %%
 for tr in traces:

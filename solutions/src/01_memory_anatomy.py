@@ -11,30 +11,37 @@
 # |---|---|---|
 # | **parameters** | the weights | model size |
 # | **gradients** | one per weight, filled by `backward()` | model size |
-# | **optimizer state** | AdamW's two running moments per weight | model size |
-# | **activations** | what the forward pass keeps for the backward pass | batch x sequence x layers |
+# | **optimizer state** | AdamW's running moments | model size |
+# | **activations** | what the forward pass keeps for the backward pass | batch × sequence × layers |
 # | **temporaries** | scratch of the backward pass, freed within it | the largest layer |
 #
-# Sharding techniques (ZeRO, FSDP: labs 03 and 04) divide the first three by the
-# number of devices; activation checkpointing (lab 06) and pipeline parallelism
-# (lab 07) attack the fourth. Before dividing anything we *measure* each term,
-# exactly, and check that we can *predict* it from first principles.
+# Sharding (ZeRO, FSDP: labs 03 and 04) divides the first three by the number of
+# devices. Before dividing anything we *measure* each term, exactly, and *predict* it.
 #
-# Everything here runs in one process on the CPU in well under a minute.
+# **You will be able to**: predict, to the byte, the parameter, gradient and AdamW
+# bytes of a model from its shapes; find out what any op keeps for backward; predict
+# the activations of a transformer block and of a whole GPT; read a training step's
+# memory curve and say where its peak is.
 #
-# **Tools**
-# * `minifsdp.memory.MemoryTracker`: counts the bytes of every live tensor by
-#   category, op by op (CPU has no allocator counter, so it watches every op).
-# * `minifsdp.estimate`: the formulas (`param_bytes`, `grad_bytes`,
-#   `optimizer_state_bytes`, `gpt_activation_bytes`, `model_state_bytes_per_device`).
+# **Prerequisites**: lab 00 (only for the last section); PyTorch autograd basics.
+# **Time**: about 60 minutes of work; the cells compute for about 1 minute on a laptop
+# (one process, CPU). On a GPU VM the same (the lab measures on the CPU, where every
+# count is exact).
 #
-# **Sections**: 1. the tracker and a toy MLP, predicted to the byte (exercise 1);
-# 2. one GPT training step, drawn; 3. how activations grow with batch and sequence
-# length; 4. exercise 2: predict the activations of a GPT; 5. a teaser: what data
-# parallelism replicates and what ZeRO divides.
+# **Exercises**: 1. model states from shapes · 2. the MLP's activations · 3. one
+# transformer block's activations · 4. the whole GPT's.
+#
+# **Symbols**: Ψ = the number of parameters of the model; bytes are written in
+# multiples of it (fp32 parameters take 4Ψ bytes). B = batch (sequences), T =
+# sequence length, d = width (`n_embd`), h = heads, L = layers, V = vocabulary.
+#
+# **Tools**: `minifsdp.memory.MemoryTracker` counts the bytes of every live tensor by
+# category, op by op (CPU has no allocator counter, so it watches every op);
+# `minifsdp.estimate` holds the library's formulas, printed beside your predictions.
 
 # %%
 import inspect
+import math
 import time
 
 import matplotlib.pyplot as plt
@@ -44,6 +51,7 @@ import torch.nn.functional as F
 import minifsdp
 from minifsdp import data, estimate, models, plot
 from minifsdp.estimate import format_bytes
+from minifsdp.labcheck import lab01 as check
 from minifsdp.memory import (ACTIVATIONS, GRADIENTS, OPTIMIZER, OTHER, PARAMETERS, TEMPORARY,
                              MemoryTracker)
 
@@ -90,50 +98,218 @@ out.append(f"peak: {tracker.peak_total} B")
 print("\n".join(out))
 
 # %% [markdown]
-# ### A toy MLP, predicted by hand
+# ### A toy MLP, and its model states
 #
 # `models.build_model("mlp")` is `Linear(8,16) -> ReLU -> Linear(16,16) -> ReLU -> Linear(16,4)`.
-# A `Linear(i, o)` has an `o x i` weight and `o` biases.
+# A `Linear(i, o)` has an `o x i` weight and `o` biases. Its parameter shapes:
 
 # %%
 mlp = models.build_model("mlp")
 print(mlp)
-for name, p in mlp.named_parameters():
-    print(f"  {name:18} {tuple(p.shape)}")
+mlp_shapes = {name: tuple(p.shape) for name, p in mlp.named_parameters()}
+for name, shape in mlp_shapes.items():
+    print(f"  {name:18} {shape}")
 
 # %% [markdown]
-# Predict, before measuring, with `P` parameters in fp32:
+# ### Exercise 1: model states from the shapes alone
 #
-# * parameters: `4 P` bytes; gradients: the same, `4 P` (one fp32 gradient per weight);
-# * activations after the forward pass, batch `B = 32`, cross-entropy over 4 classes.
-#   Autograd keeps exactly what each op's backward *formula* needs:
-#   the first `Linear` keeps its input `x` (to form the weight gradient `grad^T x`;
-#   it also keeps its weight, but that is a parameter, already counted);
-#   each `ReLU` keeps its output (the gradient passes where it is > 0), and the next
-#   `Linear` needs that very tensor as its input, so it is stored once;
-#   the last `Linear`'s output is *not* kept (`log_softmax`'s backward needs only
-#   its own output); the loss keeps the log-probabilities `B x 4`, the int64 labels
-#   and one fp32 scalar (the total weight it divided by); plus the 4-byte loss itself.
+# Write `predict_model_states(shapes)`: given `{parameter name: shape}` of an fp32
+# model trained with `torch.optim.AdamW`, return the bytes of its **parameters**, its
+# **gradients** (after `backward()`) and AdamW's **optimizer state** (after its first
+# `step()`), to the byte. Ψ, the number of parameters, is the sum of the shapes'
+# products.
+#
+# Everything you need is in the AdamW algorithm (Loshchilov & Hutter 2019: a first
+# and a second moment per weight) and in one detail of torch's implementation: for
+# every parameter *tensor* it also keeps its `step` count as a 0-d fp32 tensor (so
+# that fused and capturable variants can update it on the device). Predict, don't
+# step an optimizer: the check measures a real AdamW step of three models and holds
+# your numbers against it.
 
 # %%
-B_MLP = 32
-gen = torch.Generator().manual_seed(0)
-x_mlp = torch.randn(B_MLP, 8, generator=gen)
-y_mlp = torch.randint(0, 4, (B_MLP,), generator=gen)
+def predict_model_states(shapes: dict) -> dict:
+    """{"parameters", "gradients", "optimizer"}: bytes of an fp32 model with these parameter shapes, AdamW."""
+    # BEGIN SOLUTION
+    # HINT: Ψ is the total number of elements over all shapes; each category holds some number of fp32
+    # HINT: values per parameter, and AdamW adds one small tensor per parameter tensor.
+    psi = sum(math.prod(shape) for shape in shapes.values())
+    return {
+        "parameters": FP32 * psi,
+        "gradients": FP32 * psi,                            # one fp32 gradient per weight
+        "optimizer": 2 * FP32 * psi + FP32 * len(shapes),   # exp_avg, exp_avg_sq; a step per tensor
+    }
+    # END SOLUTION
 
-P_mlp = (8 * 16 + 16) + (16 * 16 + 16) + (16 * 4 + 4)      # weights + biases, by hand
-assert P_mlp == models.count_parameters(mlp)
-predicted_mlp = {
-    PARAMETERS: FP32 * P_mlp,
-    GRADIENTS: FP32 * P_mlp,
-    ACTIVATIONS: FP32 * B_MLP * 8            # x, kept by the first Linear
-    + FP32 * B_MLP * 16 * 2                  # the two ReLU outputs
-    + FP32 * B_MLP * 4                       # log-probabilities
-    + INT64 * B_MLP                          # labels
-    + FP32                                   # nll_loss's total weight
-    + FP32,                                  # the loss itself
+
+print("the MLP:", predict_model_states(mlp_shapes))
+
+# %%
+# CHECK: your bytes against a real AdamW step of three models, measured by the tracker
+check.model_states(predict_model_states)
+
+# %% [markdown]
+# So in fp32 with AdamW a model's states take 4Ψ + 4Ψ + 8Ψ = **16Ψ bytes** (plus a
+# few bytes per tensor), however big the batch.
+#
+# ### What does an op keep for backward?
+#
+# Activations are different: they are whatever each op's backward *formula* needs.
+# `y = x @ W^T` needs `x` to form the weight gradient `grad^T x`; `relu` needs to
+# know where its input was positive, which its output tells as well. You do not have
+# to guess: PyTorch calls a *pack hook* for every tensor an op saves for backward
+# (`torch.autograd.graph.saved_tensors_hooks`). The probe below runs one op and lists
+# what it saved: shape, dtype, and whether it is a parameter (already counted above)
+# or the very same tensor as something saved before (stored once, counted once).
+
+# %%
+def saved_by(fn, *inputs):
+    """Run fn(*inputs) and list the tensors autograd saved for its backward."""
+    params = {p.data_ptr() for x in (fn, *inputs) if isinstance(x, torch.nn.Module) for p in x.parameters()}
+    seen, rows = set(), []
+
+    def pack(t):
+        key = (t.data_ptr(), tuple(t.shape))
+        kind = ("parameter" if t.data_ptr() in params else
+                "same tensor as above" if key in seen else
+                "an input" if any(t.data_ptr() == x.data_ptr() for x in inputs if isinstance(x, torch.Tensor))
+                else "new")
+        seen.add(key)
+        rows.append(f"{str(tuple(t.shape)):>16} {str(t.dtype).replace('torch.', ''):>8}  {kind}")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return rows
+
+
+B_, T_, d_, h_ = 2, 5, 8, 2
+x3 = torch.randn(B_, T_, d_, requires_grad=True)
+x4 = torch.randn(B_, h_, T_, T_, requires_grad=True)
+probes = {
+    "Linear(8, 16)(x)": (torch.nn.Linear(d_, 16), x3),
+    "relu(x)": (F.relu, x3),
+    "gelu(x)": (F.gelu, x3),
+    "LayerNorm(8)(x)": (torch.nn.LayerNorm(d_), x3),
+    "softmax(x, -1)": (lambda x: F.softmax(x, dim=-1), x4),
+    "q @ k.transpose (4-D)": (lambda q: q @ q.transpose(-2, -1), x4),
+    "x * 0.5, x + x": (lambda x: x * 0.5 + x, x3),
+    "cross_entropy(logits, labels)": (F.cross_entropy, torch.randn(6, 4, requires_grad=True),
+                                      torch.randint(0, 4, (6,))),
 }
-print("P =", P_mlp, "parameters;", predicted_mlp)
+for name, (fn, *args) in probes.items():
+    rows = saved_by(fn, *args)
+    print(f"{name}  (inputs {[tuple(a.shape) for a in args]})")
+    print("\n".join(rows) if rows else "        nothing")
+
+# %% [markdown]
+# Read it as rules: a `Linear` keeps its input (and its weight, a parameter);
+# `relu` and `softmax` keep their output; `gelu` its input; `LayerNorm` its input and
+# two numbers per row (mean and 1/std, shape `[B, T, 1]`); a batched matmul keeps
+# both operands (as contiguous copies when they are views); scaling and adding keep
+# nothing; `cross_entropy` keeps its log-softmax output, the labels, and one scalar.
+# When the tensor one op saves is the tensor the next op saves too (relu's output is
+# the next `Linear`'s input), it is stored once.
+#
+# ### Exercise 2: the MLP's activations
+#
+# Write `predict_mlp_activation_bytes(B)`: the bytes the MLP's forward pass and
+# `F.cross_entropy` keep for backward on a batch of `B` samples (inputs `[B, 8]`
+# fp32, labels `[B]` int64), counting the batch itself (the first layer keeps `x`)
+# and not the loss value (an output, not something saved). Go layer by layer with
+# the rules above.
+
+# %%
+def predict_mlp_activation_bytes(B: int) -> int:
+    """Bytes kept for backward by mlp(x) and cross_entropy on a batch of B (fp32 inputs, int64 labels)."""
+    # BEGIN SOLUTION
+    # HINT: list each op of Linear-ReLU-Linear-ReLU-Linear-cross_entropy with what its backward needs
+    # HINT: (the probe above); count a tensor two ops share once; 4 bytes per fp32 value, 8 per int64.
+    inputs = FP32 * B * 8                 # x, kept by the first Linear
+    relu_outputs = 2 * FP32 * B * 16      # each is also the next Linear's input: stored once
+    loss = FP32 * B * 4 + INT64 * B + FP32  # log-probabilities, labels, the total weight
+    return inputs + relu_outputs + loss
+    # END SOLUTION
+
+
+# %%
+# CHECK: your formula against the bytes measured for B = 32, 7 and 1
+check.mlp_activations(predict_mlp_activation_bytes)
+
+# %% [markdown]
+# ## 2. A transformer block
+#
+# A GPT is L copies of one `Block` between an embedding and a loss. Here is its code,
+# op by op; with the probe's rules you can say what each line keeps.
+
+# %%
+for fn in (models.Block.forward, models.CausalSelfAttention.forward, models.FeedForward.forward):
+    print(inspect.getsource(fn))
+
+# %% [markdown]
+# ### Exercise 3: one block's activations
+#
+# Write `predict_block_activation_bytes(config, B, T)`: the bytes one `Block` keeps
+# for backward on an fp32 input `[B, T, d]`, **its input included** (the block's first
+# LayerNorm keeps it; in a GPT that is the residual stream, and nobody else keeps it),
+# its output not (the next block's LayerNorm keeps that). `config.n_embd` is d,
+# `config.n_head` is h. Run the probe on any op you are unsure of. The check measures
+# six shapes and, if you are off, says what *kind* of tensor is missing (per token,
+# per token and feature, per pair of positions).
+
+# %%
+def predict_block_activation_bytes(config: models.GPTConfig, B: int, T: int) -> int:
+    """Bytes saved for backward by models.Block(config) on an fp32 [B, T, d] input (input included)."""
+    d, h = config.n_embd, config.n_head
+    # BEGIN SOLUTION
+    # HINT: walk Block.forward: two LayerNorms, the attention (its Linear layers, q k v for the two matmuls,
+    # HINT: the softmax), the MLP (two Linear layers around a GELU 4d wide). Count values per kind: B*T*d,
+    # HINT: B*T, and B*h*T*T; then 4 bytes each.
+    btd = B * T * d
+    layer_norms = 2 * (btd + 2 * B * T)   # ln_1, ln_2: input, mean and rstd per row
+    attention = (btd                      # c_attn: its input (ln_1's output)
+                 + 3 * btd                # q, k, v: contiguous copies kept by the two matmuls
+                 + B * h * T * T          # softmax: its output, the attention probabilities
+                 + btd)                   # c_proj: its input
+    mlp = btd + 4 * btd + 4 * btd         # c_fc input; GELU input (4d); c_proj input = GELU output (4d)
+    return FP32 * (layer_norms + attention + mlp)
+    # END SOLUTION
+
+
+# %%
+# CHECK: your formula against a measured Block at six shapes (B, T, d and h varied one at a time)
+check.block_activations(predict_block_activation_bytes)
+
+# %% [markdown]
+# ### Exercise 4: the whole GPT
+#
+# Now `predict_gpt_activation_bytes(config, B, T)` for `lm_loss(model(x), y)` of a
+# `models.GPT`, using your block formula L times. What is left is outside the blocks:
+# read `GPT.embed`, `GPT.unembed` and `lm_loss` below (the token ids `x` and targets `y`
+# are int64 and count; the loss value does not).
+
+# %%
+for fn in (models.GPT.forward, models.GPT.embed, models.GPT.unembed, models.lm_loss):
+    print(inspect.getsource(fn))
+
+# %%
+def predict_gpt_activation_bytes(config: models.GPTConfig, B: int, T: int) -> int:
+    """Bytes saved for backward by lm_loss(models.GPT(config)(x), y), x and y int64 [B, T]."""
+    d, V = config.n_embd, config.vocab_size
+    blocks = config.n_layer * predict_block_activation_bytes(config, B, T)
+    # BEGIN SOLUTION
+    # HINT: outside the blocks: the two embedding lookups keep their ids (token ids, and the positions),
+    # HINT: the final LayerNorm and the head keep what a LayerNorm and a Linear keep, and the loss keeps what
+    # HINT: cross_entropy keeps (its log-softmax is over V classes for every token).
+    embedding = INT64 * (B * T + T)                        # token ids and position ids
+    final = FP32 * (B * T * d + 2 * B * T + B * T * d)     # ln_f (input, stats), head (input)
+    loss = FP32 * (B * T * V + 1) + INT64 * B * T          # log-probs, total weight, targets
+    return blocks + embedding + final + loss
+    # END SOLUTION
+
+
+# %%
+# CHECK: your whole-model formula against measured forward passes (B, T, L and V varied)
+check.gpt_activations(predict_gpt_activation_bytes, predict_block_activation_bytes)
 
 # %% [markdown]
 # One helper runs training steps under a fresh tracker and records a snapshot
@@ -175,91 +351,7 @@ def train_steps(model, batches, loss_fn, lr=1e-3, **tracker_options):
     return tracker, opt, snaps, peaks
 
 # %% [markdown]
-# ### Exercise 1: predict AdamW's bytes
-#
-# `torch.optim.AdamW` creates its state lazily, in the first `step()`. Write
-# `predict_adamw_bytes(model)`: the bytes of that state for an fp32 model, to the
-# byte. Everything you need is in the AdamW algorithm (Loshchilov & Hutter 2019)
-# and in what torch stores in `optimizer.state[p]` for each parameter `p`.
-# The check cell measures a step of the MLP and of a small GPT and compares.
-
-# %%
-def predict_adamw_bytes(model: torch.nn.Module) -> int:
-    """Bytes of torch.optim.AdamW's state for `model` (fp32) after one step."""
-    params = list(model.parameters())
-    # BEGIN SOLUTION
-    # HINT: make an AdamW for a small model, take one step, then print {k: (v.shape, v.dtype) for k, v in opt.state[p].items()} for a parameter p; count those bytes for every parameter.
-    n = sum(p.numel() for p in params)
-    # exp_avg (first moment) and exp_avg_sq (second moment): parameter-shaped fp32
-    # tensors; plus `step`, a 0-d fp32 tensor per parameter *tensor* (torch keeps
-    # it as a tensor so that capturable/fused implementations can update it on device).
-    return 2 * FP32 * n + FP32 * len(params)
-    # END SOLUTION
-
-# %%
-# CHECK: predict_adamw_bytes matches the optimizer state measured after one step
-def _diagnose_adamw(got: int, want: int, n: int, k: int) -> str:
-    hints = {
-        FP32 * n: "you counted one moment; AdamW keeps two (exp_avg and exp_avg_sq)",
-        FP32 * n + FP32 * k: "you counted one moment; AdamW keeps two (exp_avg and exp_avg_sq)",
-        2 * FP32 * n: f"you forgot the `step` counter: a 4-byte fp32 tensor per parameter tensor ({k} tensors here)",
-        2 * n + k: "you counted elements; the state is fp32, 4 bytes per element",
-        2 * n: "you counted elements (fp32 is 4 bytes each) and forgot the per-tensor `step` counters",
-        3 * FP32 * n + FP32 * k: "you counted the parameters too; they are not optimizer state",
-        3 * FP32 * n: "you counted three parameter-sized tensors; AdamW keeps two (exp_avg, exp_avg_sq)",
-    }
-    return hints.get(got, f"off by {want - got:+d} bytes: count, for every parameter tensor, "
-                          "every tensor in opt.state[p] and its bytes")
-
-
-for name, model in [("mlp", models.build_model("mlp")), ("gpt-tiny", models.build_model("gpt-tiny"))]:
-    if name == "mlp":
-        batch = [(x_mlp, y_mlp)]
-        _, opt, snaps, _ = train_steps(model, batch, F.cross_entropy)
-    else:
-        batch = [data.get_batch(0, 2, 16)]
-        _, opt, snaps, _ = train_steps(model, batch, models.lm_loss)
-    measured = snaps[0]["step"][OPTIMIZER]
-    by_hand = sum(t.nbytes for state in opt.state.values() for t in state.values())
-    assert measured == by_hand, f"tracker disagrees with opt.state ({measured} vs {by_hand})"
-    got = int(predict_adamw_bytes(model))
-    n, k = models.count_parameters(model), len(list(model.parameters()))
-    assert got == measured, (f"{name}: predicted {got} B, measured {measured} B: "
-                             + _diagnose_adamw(got, measured, n, k))
-    print(f"{name}: predicted {got} B == measured {measured} B")
-
-# %% [markdown]
-# Now the whole MLP step against the hand predictions made further up (with your
-# `predict_adamw_bytes` for the optimizer row); the "measured" column is the tracker's.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-mlp = models.build_model("mlp")
-mlp_tracker, mlp_opt, mlp_snaps, mlp_peaks = train_steps(mlp, [(x_mlp, y_mlp)], F.cross_entropy)
-predicted_mlp[OPTIMIZER] = predict_adamw_bytes(mlp)
-measured_mlp = {
-    PARAMETERS: mlp_snaps[0]["forward"][PARAMETERS],
-    GRADIENTS: mlp_snaps[0]["backward"][GRADIENTS],
-    OPTIMIZER: mlp_snaps[0]["step"][OPTIMIZER],
-    ACTIVATIONS: mlp_snaps[0]["forward"][ACTIVATIONS],
-}
-out = [f"{'':14}{'predicted B':>12}{'measured B':>12}"]
-for cat, want in measured_mlp.items():
-    out.append(f"{cat:14}{predicted_mlp[cat]:>12}{want:>12}   "
-               f"{'==' if predicted_mlp[cat] == want else '!='}")
-left = mlp_snaps[0]["backward"][ACTIVATIONS]
-out.append(f"activations left after backward: {left} B = the batch (x, y) and the loss, still referenced")
-print("\n".join(out))
-assert all(predicted_mlp[cat] == want for cat, want in measured_mlp.items())
-assert left == x_mlp.nbytes + y_mlp.nbytes + FP32
-
-# %% [markdown]
-# Every byte is accounted for. Note the last line: `backward()` frees the graph,
-# and with it every saved tensor; what survives is what our own variables still
-# reference (the step's batch and the loss).
-
-# %% [markdown]
-# ## 2. One GPT training step
+# ## 3. One GPT training step
 #
 # Now `gpt-mini` (4 layers, width 256, 4 heads, vocabulary 256) on batches of
 # Shakespeare from `data.get_batch`. We run **two** steps, because the first is
@@ -331,9 +423,9 @@ assert gpt_peaks[1][0] >= gpt_peaks[0][0]
 # %% [markdown]
 # ### Measured vs predicted
 #
-# `estimate` predicts each term from the config alone (see its docstrings; the
-# activation formula reads `Block.forward` op by op, which exercise 2 asks you to
-# redo). The table puts the measurements next to them.
+# `estimate` predicts each term from the config alone (see its docstrings; its
+# activation formula is the one you wrote in exercises 3 and 4). The table puts the
+# measurements next to them.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -347,7 +439,7 @@ rows = [
      "exact"),
     ("gradients", s1["backward"][GRADIENTS], estimate.grad_bytes(n_gpt),
      "exact"),
-    ("optimizer (AdamW)", s1["step"][OPTIMIZER], estimate.optimizer_state_bytes(n_gpt, "adamw"),
+    ("optimizer (AdamW)", s1["step"][OPTIMIZER], estimate.optimizer_state_bytes_for(n_gpt, "adamw"),
      f"+ {n_tensors} step counters x 4 B"),
     ("activations", s1["forward"][ACTIVATIONS], act_est["total"],
      "+ the 4-B loss, an output, not saved"),
@@ -386,7 +478,7 @@ print(f"params + grads + optimizer + activations: {format_bytes(naive)}\n"
 assert start_of_backward <= peak2 <= naive + at_peak2.get(TEMPORARY, 0)
 
 # %% [markdown]
-# ## 3. How activations grow with batch and sequence length
+# ## 4. How activations grow with batch and sequence length
 #
 # Model states are fixed by the model. Activations scale with the work: every
 # saved tensor has a batch dimension `B`, most have a sequence dimension `T`, and
@@ -433,7 +525,7 @@ def attention_probs_bytes(config, batch, seq_len):
         config, batch, seq_len)["attention probs"]
 
 
-fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(10.5, 4))
 est_b = [estimate.gpt_activation_bytes(long_cfg, b, T_FIXED)["total"] / MiB for b in batches_sweep]
 ax_b.plot(batches_sweep, est_b, "-", color="tab:red", label="estimate (total)")
 ax_b.plot(batches_sweep, [m / MiB for m in by_batch], "o", color="k", label="measured")
@@ -481,7 +573,7 @@ print("\n".join(out))
 # Megatron's fp16 GPT, `h` the width, `a` the heads), which is why FlashAttention,
 # recomputing the probabilities instead of storing them, matters so much there.
 #
-# How does that compare with the model states? For `gpt-mini` (section 2), the
+# How does that compare with the model states? For `gpt-mini` (section 3), the
 # batch at which the activations alone equal parameters + gradients + AdamW:
 
 # %%
@@ -491,126 +583,6 @@ states = estimate.model_state_bytes_per_device(n_gpt)["total"]
 print(f"{GPT_NAME}: model states {format_bytes(states)} (16 B per parameter); "
       f"activations {format_bytes(per_sequence)} per sequence of {cfg.block_size} tokens\n"
       f"activations pass the model states at a batch of {states / per_sequence:.1f} sequences")
-
-# %% [markdown]
-# ## 4. Exercise 2: predict the activations before running
-#
-# Write `predict_activation_bytes(config, batch, seq_len)`: the bytes autograd keeps
-# after `lm_loss(model(x), y)` for a `models.GPT` with this config, fp32, to the
-# byte, **without** calling `minifsdp.estimate`. Read the model's code below, op
-# by op, and for each op ask: what does its backward need? (The tracked total
-# also includes the token ids `x` and targets `y`, int64; not the loss itself.)
-
-# %%
-for fn in (models.GPT.forward, models.GPT.embed, models.GPT.unembed, models.Block.forward,
-           models.CausalSelfAttention.forward, models.FeedForward.forward, models.lm_loss):
-    print(inspect.getsource(fn))
-
-# %%
-def predict_activation_bytes(config: models.GPTConfig, batch: int, seq_len: int) -> int:
-    """Bytes saved for backward by one forward + lm_loss of models.GPT(config), fp32."""
-    B, T = batch, seq_len
-    d, h, L, V = config.n_embd, config.n_head, config.n_layer, config.vocab_size
-    # BEGIN SOLUTION
-    # HINT: go op by op through the code printed above and ask which tensors each op's backward needs; count each distinct tensor once (ids are int64, 8 B; the rest fp32, 4 B). The loss keeps its log-softmax output (B*T*V), the targets and one scalar.
-    btd = B * T * d
-    per_layer = (
-        btd + 2 * B * T      # ln_1: input, mean and rstd per row
-        + btd                # c_attn: its input (ln_1's output)
-        + 3 * btd            # q, k, v: matmul keeps contiguous copies of its operands
-        + B * h * T * T      # softmax: its output, the attention probabilities
-        + btd                # attention c_proj: its input
-        + btd + 2 * B * T    # ln_2
-        + btd                # c_fc: its input
-        + 4 * btd            # GELU: its input (4d wide)
-        + 4 * btd            # mlp c_proj: its input, GELU's output
-    ) * FP32
-    embedding = INT64 * (B * T + T)          # token ids and position ids
-    final = FP32 * (btd + 2 * B * T + btd)   # ln_f (input, stats), head (input)
-    loss = FP32 * (B * T * V + 1) + INT64 * B * T   # log-probs, total weight, targets
-    return L * per_layer + embedding + final + loss
-    # END SOLUTION
-
-# %%
-# CHECK: predict_activation_bytes against measured forward passes
-def _check_activation_prediction(predict) -> list[str]:
-    """Compare `predict` with measurements; explain any difference in words."""
-    try:
-        source = inspect.getsource(predict)
-    except (OSError, TypeError):   # defined where inspect cannot read it
-        source = ""
-    if "gpt_activation_bytes" in source:
-        return ["write the formula yourself rather than calling estimate.gpt_activation_bytes"]
-    cfg_a = models.build_model("gpt-tiny", block_size=128, device="meta").config
-    cfg_b = models.build_model("gpt-tiny", block_size=128, device="meta",
-                               n_layer=3, n_head=4, n_embd=48).config
-    # Doubling B, doubling T, and other sizes: each mistake leaves its own signature.
-    cases = [(cfg_a, 2, 32), (cfg_a, 4, 32), (cfg_a, 2, 64), (cfg_b, 2, 32)]
-    want, got = {}, {}
-    for config, b, t in cases:
-        want[config, b, t] = measure_activations(models.GPT(config), b, t)
-        got[config, b, t] = int(predict(config, b, t))
-    diffs = {k: want[k] - got[k] for k in cases}
-    if not any(diffs.values()):
-        return []
-
-    def btd(c, b, t, k=1):  # k fp32 tensors of shape [B, T, d] in every layer
-        return c.n_layer * k * FP32 * b * t * c.n_embd
-    terms = {  # what a single slip usually is, as a function of (config, B, T)
-        "the attention probabilities (softmax output, B*h*T*T per layer)":
-            lambda c, b, t: c.n_layer * FP32 * b * c.n_head * t * t,
-        "the loss's log-softmax output (B*T*V)": lambda c, b, t: FP32 * b * t * c.vocab_size,
-        "the int64 token ids or targets (B*T*8 bytes)": lambda c, b, t: INT64 * b * t,
-        "the position ids (T int64)": lambda c, b, t: INT64 * t,
-        "the scalar total weight that nll_loss keeps (4 B)": lambda c, b, t: FP32,
-        "q, k, v (3*B*T*d per layer: matmul keeps contiguous copies)":
-            lambda c, b, t: btd(c, b, t, 3),
-        "a 4d-wide MLP tensor per layer (GELU keeps its input, and mlp c_proj its own input, "
-        "GELU's output: two different tensors)": lambda c, b, t: btd(c, b, t, 4),
-        "the LayerNorm mean and rstd (2*B*T per LayerNorm: 2 per layer, plus ln_f)":
-            lambda c, b, t: (2 * c.n_layer + 1) * 2 * FP32 * b * t,
-        "ln_f's input and the head's input (2*B*T*d)":
-            lambda c, b, t: 2 * FP32 * b * t * c.n_embd,
-    }
-    for k in (1, 2, 3, 5):
-        terms[f"{k} tensor(s) of B*T*d per layer (the inputs of ln_1, c_attn, attention c_proj, "
-              "ln_2 and c_fc are one each)"] = lambda c, b, t, k=k: btd(c, b, t, k)
-    first = next(k for k in cases if diffs[k])
-    c, b, t = first
-    problems = [f"at B={b}, T={t}, n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd} "
-                f"you predicted {got[first]:,} bytes, the measurement is {want[first]:,}"]
-    for name, term in terms.items():   # a term that explains the difference in every case
-        if all(diffs[k] == term(*k) for k in cases):
-            problems.append(f"you are missing exactly {name}")
-        elif all(diffs[k] == -term(*k) for k in cases):
-            problems.append(f"you counted once too often {name}")
-    if len(problems) > 1:
-        return problems
-    if all(got[k] and 3.3 < want[k] / got[k] < 4.2 for k in cases):
-        return problems + ["you seem to count elements: multiply by the bytes per element "
-                           "(4 for fp32 activations, 8 for int64 token ids)"]
-    e0, eb, et = diffs[cfg_a, 2, 32], diffs[cfg_a, 4, 32], diffs[cfg_a, 2, 64]
-    if not (e0 or eb or et):
-        return problems + ["right for gpt-tiny but wrong with other n_layer / n_head / n_embd: "
-                           "use the config's sizes instead of fixed numbers"]
-    if e0:
-        problems.append(f"doubling B multiplies your error by {eb / e0:.2f}, doubling T by {et / e0:.2f}")
-        if abs(eb / e0 - 1) < 0.05 and abs(et / e0 - 1) < 0.05:
-            problems.append("a constant error, whatever B and T: a stray constant or a scalar")
-        elif abs(et / e0 - 4) < 0.3:
-            problems.append("an error quadratic in T: the attention probabilities B*h*T*T")
-        elif 2.2 < et / e0 < 3.8:
-            problems.append("part of the error grows like T*T: check the attention probabilities too")
-        elif abs(eb / e0 - 1) < 0.05:
-            problems.append("the error does not depend on B: something of size T only (position ids?)")
-        elif abs(eb / e0 - 2) < 0.05:
-            problems.append("the error grows like B*T: a per-token tensor; list each op's saved inputs")
-    return problems + ["go through Block.forward op by op again and write down each saved tensor's shape"]
-
-
-problems = _check_activation_prediction(predict_activation_bytes)
-assert not problems, "predict_activation_bytes disagrees with the measurement: " + "; ".join(problems)
-print("predict_activation_bytes matches the measurement to the byte in every case")
 
 # %% [markdown]
 # ## 5. Teaser: what data parallelism replicates, and what ZeRO divides
@@ -712,16 +684,17 @@ plt.show()
 # %% [markdown]
 # Lab 03 builds stages 1 and 2 and measures them with this same tracker; lab 04
 # builds stage 3. What they cannot divide is the activations: those need smaller
-# per-device batches, recomputation (lab 06) or splitting the layers (labs 07, 08).
+# per-device batches, recomputing them in backward, or splitting the layers across devices.
 #
 # **Summary.** Parameters, gradients and AdamW state are fixed by the model:
 # 4 + 4 + 8 bytes per parameter in fp32 (plus 4 bytes per tensor for AdamW's step
 # counters). Activations are what each op's backward needs, linear in the batch,
 # linear in the sequence except the attention probabilities, quadratic; past the
-# batch size section 3 computed, they outweigh all the model states. Size memory
+# batch size section 4 computed, they outweigh all the model states. Size memory
 # from step 2 on: here the peak came early in step 2's backward pass, most
 # activations still alive on top of the optimizer state; with small batches it is
 # the optimizer step instead (parameters + gradients + state + the update's scratch).
 
 # %%
 print(f"the whole notebook ran in {time.perf_counter() - notebook_start:.1f} s")
+
