@@ -8,6 +8,8 @@ only a function that wraps the model and builds the optimizer:
     ddp         bucketed all-reduce overlapped with backward (minifsdp.ddp)
     zero1/zero2 optimizer-state / gradient sharding          (minifsdp.zero)
     fsdp        fully sharded data parallel                  (minifsdp.fsdp)
+    pp, pp+dp   pipeline parallel (gpipe | 1f1b | interleaved | zero-bubble),
+                x data-parallel replicas                     (minifsdp.pipeline)
     torch-ddp, torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard)
                 PyTorch's own, for comparison                (torch_reference.py)
 
@@ -83,6 +85,16 @@ class TrainConfig:
     prefetch: str = "BACKWARD_PRE"
     cpu_offload: bool = False
     bucket_cap_mb: float = 25.0
+    checkpoint: str = "none"     # activation checkpointing of every Block: none | full | selective
+    # pipeline options (pp, pp+dp): world = pp x dp ranks
+    pp: int = 2
+    dp: int = 1
+    micro_batches: int = 4
+    schedule: str = "1f1b"        # gpipe | 1f1b | interleaved | zero-bubble
+    virtual_stages: int = 1       # stages per rank (interleaved, zero-bubble)
+    # tensor parallel options (tp, fsdp+tp): world = dp x tp ranks
+    tp: int = 2
+    sequence_parallel: bool = False
 
     @property
     def micro_batch(self) -> int:
@@ -149,18 +161,53 @@ def _zero2(model: torch.nn.Module, cfg: TrainConfig):
 def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
     from .fsdp import BackwardPrefetch, CPUOffload, ModuleWrapPolicy, ShardingStrategy
     from .fsdp import FullyShardedDataParallel as FSDP
-    from .fsdp import size_based_auto_wrap_policy
+    from .fsdp import init_hybrid_groups, size_based_auto_wrap_policy
 
     import functools
 
     policy = {"block": ModuleWrapPolicy({models.Block}), "none": None,
               "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)}[cfg.wrap]
-    # HYBRID_SHARD on one machine: 2 x (N/2), the same groups torch-fsdp gets
-    groups = torch_reference.hybrid_groups() if cfg.sharding_strategy == "HYBRID_SHARD" else None
+    # HYBRID_SHARD on one machine: 2 x (N/2) "nodes", the groups torch_reference.hybrid_groups gives torch-fsdp
+    hybrid = cfg.sharding_strategy == "HYBRID_SHARD"
+    groups = init_hybrid_groups(shard_size=max(1, dist.world_size() // 2)) if hybrid else None
     wrapped = FSDP(model, process_group=groups, auto_wrap_policy=policy,
                    sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
                    backward_prefetch=BackwardPrefetch[cfg.prefetch] if cfg.prefetch != "NONE" else None,
                    cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None)
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+@strategy("pp")
+@strategy("pp+dp")
+def _pipeline(model: torch.nn.Module, cfg: TrainConfig):
+    # This rank keeps only its stages; the loop calls wrapped.train_step(x, y), which
+    # runs the schedule (forward and backward, micro-batch by micro-batch).
+    from .pipeline import PipelineParallel
+
+    wrapped = PipelineParallel(model, cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages,
+                               dp=cfg.dp if cfg.strategy == "pp+dp" else 1)
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+@strategy("tp")
+@strategy("fsdp+tp")
+def _tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
+    # Megatron tensor parallel inside groups of --tp consecutive ranks; fsdp+tp also shards
+    # each slice with FSDP over the --dp ranks that hold it (the mesh's dp dimension): 2D.
+    from .mesh import DeviceMesh
+    from .tensor_parallel import ParallelBlock, ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
+
+    dp = cfg.dp if cfg.strategy == "fsdp+tp" else 1
+    mesh = initialize_model_parallel(cfg.tp, mesh=DeviceMesh(dp=dp, tp=cfg.tp))
+    wrapped = tensor_parallel_gpt(model, sequence_parallel=cfg.sequence_parallel)
+    if cfg.strategy == "fsdp+tp":
+        from .fsdp import FullyShardedDataParallel as FSDP
+        from .fsdp import ModuleWrapPolicy, ShardingStrategy
+
+        wrapped = FSDP(wrapped, process_group=mesh.get_group("dp"), auto_wrap_policy=ModuleWrapPolicy({ParallelBlock}),
+                       sharding_strategy=ShardingStrategy[cfg.sharding_strategy])
+    wrapped.lm_loss = ParallelGPT.loss  # vocab-parallel: the full logits never exist
+    wrapped.data_parallel_rank, wrapped.data_parallel_size = mesh.get_local_rank("dp"), dp
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
@@ -170,7 +217,8 @@ STRATEGIES.update(torch_reference.STRATEGIES)
 
 # Which --sharding-strategy values a strategy accepts (the others ignore it).
 SHARDING_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fsdp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"), **torch_reference.SHARDING_OPTIONS}
+    "fsdp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+    "fsdp+tp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), **torch_reference.SHARDING_OPTIONS}
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -193,7 +241,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("--strategy single runs one process: use --world-size 1, or a parallel strategy")
     if cfg.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
-    per = cfg.world_size * cfg.grad_accum
+    if cfg.checkpoint not in ("none", "full", "selective"):
+        raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
+    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "tp", "fsdp+tp"):
+        raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
+                         "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
+    if cfg.strategy in ("pp", "pp+dp"):
+        _validate_pipeline(cfg)
+    if cfg.strategy in ("tp", "fsdp+tp"):
+        _validate_tensor_parallel(cfg)
+    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "tp")
+           else cfg.world_size) * cfg.grad_accum
     if cfg.batch_size < per or cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of world size x grad accum = {per} "
                          f"(e.g. --batch-size {max(per, cfg.batch_size // per * per or per)})")
@@ -201,6 +259,36 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.seq_len is not None and not 1 <= cfg.seq_len <= block:
         raise ValueError(f"--seq-len must be between 1 and the model's block size {block}, got {cfg.seq_len}")
     _check_writable(cfg.out)
+
+
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    dp = cfg.dp if cfg.strategy == "pp+dp" else 1
+    if cfg.world_size != cfg.pp * dp:
+        raise ValueError(f"--strategy {cfg.strategy} runs pp x dp = {cfg.pp} x {dp} ranks: use --world-size "
+                         f"{cfg.pp * dp} (got {cfg.world_size})")
+    if cfg.grad_accum != 1:
+        raise ValueError("a pipeline accumulates over its micro-batches: use --micro-batches, not --grad-accum")
+    if cfg.batch_size % (dp * cfg.micro_batches):
+        raise ValueError(f"--batch-size {cfg.batch_size} must split into {dp} replica(s) x {cfg.micro_batches} "
+                         f"micro-batches: use a multiple of {dp * cfg.micro_batches}")
+    layers = models.MODEL_PRESETS[cfg.model].n_layer + 2
+    v = cfg.virtual_stages if cfg.schedule in ("interleaved", "zero-bubble") else 1
+    if cfg.pp * v > layers:
+        raise ValueError(f"{cfg.pp} x {v} stages but {cfg.model} has {layers} layers (embed, blocks, head): "
+                         "use fewer stages (--pp / --virtual-stages)")
+
+
+def _validate_tensor_parallel(cfg: TrainConfig) -> None:
+    from .tensor_parallel import check_divisible
+
+    dp = cfg.dp if cfg.strategy == "fsdp+tp" else 1
+    if cfg.tp < 1 or dp < 1:
+        raise ValueError(f"--tp and --dp must be >= 1, got --tp {cfg.tp} --dp {dp}")
+    if cfg.world_size != dp * cfg.tp:
+        raise ValueError(f"--strategy {cfg.strategy} runs dp x tp = {dp} x {cfg.tp} ranks: use --world-size "
+                         f"{dp * cfg.tp} (got {cfg.world_size})")
+    config = models.MODEL_PRESETS[cfg.model]
+    check_divisible(config, cfg.tp, cfg.seq_len or config.block_size, cfg.sequence_parallel)
 
 
 def _check_writable(path: str) -> None:
@@ -235,26 +323,35 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         n_params = models.count_parameters(model)
         if tracker is not None:
             tracker.track_model(model)
+        if cfg.checkpoint != "none":  # checkpoint the blocks, then wrap: PyTorch's recipe order
+            _apply_checkpointing(model, cfg)
         with trace.span("wrap"):
             model, optimizer = STRATEGIES[cfg.strategy](model, cfg)
         if tracker is not None:
             tracker.track_model(model)
             tracker.track_optimizer(optimizer)
+        # Which slice of the global batch this rank reads: its own, or (pipeline) its replica's.
+        data_rank = getattr(model, "data_parallel_rank", rank)
+        data_world = getattr(model, "data_parallel_size", world)
+        loss_fn = getattr(model, "lm_loss", models.lm_loss)  # tensor parallel: vocab-parallel cross-entropy
         for step in range(cfg.steps):
             start = time.perf_counter()
             with trace.span("step", step=step):
                 local = torch.zeros((), device=device)
                 for m in range(cfg.grad_accum):
-                    x, y = data.get_batch(step, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank,
-                                          world_size=world, micro_step=m, grad_accum=cfg.grad_accum)
+                    x, y = data.get_batch(step, cfg.batch_size, seq_len, seed=cfg.seed, rank=data_rank,
+                                          world_size=data_world, micro_step=m, grad_accum=cfg.grad_accum)
                     x, y = x.to(device), y.to(device)
                     last = m == cfg.grad_accum - 1
                     sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-                    with sync:
-                        with trace.span("forward", step=step, micro=m):
-                            loss = models.lm_loss(model(x), y) / cfg.grad_accum
-                        with trace.span("backward", step=step, micro=m):
-                            loss.backward()
+                    if hasattr(model, "train_step"):  # a pipeline runs forward and backward itself
+                        loss = model.train_step(x, y) / cfg.grad_accum
+                    else:
+                        with sync:
+                            with trace.span("forward", step=step, micro=m):
+                                loss = loss_fn(model(x), y) / cfg.grad_accum
+                            with trace.span("backward", step=step, micro=m):
+                                loss.backward()
                     local += loss.detach()
                 with trace.span("optimizer", step=step):
                     optimizer.step()
@@ -268,6 +365,27 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     report = tracker.report() if tracker is not None else {}
     return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace,
             "memory": report, "n_params": n_params}
+
+
+def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """--checkpoint: wrap every Block. full recomputes the whole block in backward; selective keeps
+    its linear layers' outputs and recomputes the rest (minifsdp.checkpoint.selective). torch's
+    strategies get torch's own checkpoint_wrapper, so the benchmark compares like with like."""
+    import functools
+
+    from .checkpoint import LINEAR_OPS
+
+    if cfg.strategy in torch_reference.STRATEGIES:
+        import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ac
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    else:
+        from . import checkpoint as ac
+        from .checkpoint import create_selective_checkpoint_contexts
+    selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, list(LINEAR_OPS))}
+    wrapper = functools.partial(ac.checkpoint_wrapper, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT,
+                                **(selective if cfg.checkpoint == "selective" else {}))
+    ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                      check_fn=lambda m: isinstance(m, models.Block))
 
 
 def _memory_tracker(cfg: TrainConfig, device: torch.device) -> Any:
@@ -399,14 +517,28 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--wrap", default="block", choices=["none", "block", "size"])
     p.add_argument("--prefetch", default="BACKWARD_PRE")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--checkpoint", default="none", choices=["none", "full", "selective"],
+                   help="activation checkpointing of every Block (selective keeps the linear layers' outputs)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (pp, pp+dp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (pp+dp)")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per pipeline step")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zero-bubble"])
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved, zero-bubble)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per model copy (tp, fsdp+tp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard layer norms along the sequence (tp)")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
-    world = a.world_size if a.world_size is not None else (1 if a.strategy == "single" else 2)
+    pipeline_world = a.pp * (a.dp if a.strategy == "pp+dp" else 1)
+    model_world = {"tp": a.tp, "fsdp+tp": a.dp * a.tp}.get(a.strategy)
+    world = a.world_size if a.world_size is not None else (
+        1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp") else model_world or 2)
     return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,
                        batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, lr=a.lr,
                        seed=a.seed, out=a.out, track_memory=not a.no_memory, timeout=a.timeout,
                        sharding_strategy=a.sharding_strategy, wrap=a.wrap, prefetch=a.prefetch,
-                       cpu_offload=a.cpu_offload)
+                       cpu_offload=a.cpu_offload, pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
+                       schedule=a.schedule, virtual_stages=a.virtual_stages, tp=a.tp,
+                       sequence_parallel=a.sequence_parallel, checkpoint=a.checkpoint)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from minifsdp import launch, trace
 from minifsdp.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
-                           ModuleWrapPolicy, StateDictType, auto_wrap, enable_wrap, wrap)
+                           ModuleWrapPolicy, StateDictType, auto_wrap, enable_wrap)
+from minifsdp.fsdp.wrap import wrap
 
 ATOL, RTOL = 1e-5, 1e-4   # fp32 parity
 BF16_RTOL = 1e-2          # bf16 keeps 8 significant bits: the bf16 loss itself is rounded to 2^-5 near 5.5

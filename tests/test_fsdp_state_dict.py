@@ -137,9 +137,9 @@ def _load_folder(path):
 
 
 def _state_dict_on_rank0_only():
-    from minifsdp.fsdp import options
+    from minifsdp.fsdp import unit
 
-    options.ENTRY_TIMEOUT_S = 2.0
+    unit.ENTRY_TIMEOUT_S = 2.0
     model = _model()
     if tdist.get_rank() == 0:
         model.state_dict()

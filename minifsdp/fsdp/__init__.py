@@ -7,26 +7,33 @@ Change the import and code written for PyTorch's FSDP1 runs here::
 
 Read in this order: ``api.py`` (the options), ``flat_param.py`` (flatten, pad,
 shard, gather, free), ``fully_sharded.py`` (one training step: hooks,
-strategies, prefetch, no_sync, clipping), ``wrap.py`` (units),
-``state_dict.py`` (checkpoints; ``save_sharded`` / ``load_sharded`` for a
-sharded checkpoint folder that loads at any world size).
+strategies, prefetch, no_sync), ``wrap.py`` (units), ``full_params.py``
+(clipping, summon_full_params), ``state_dict.py`` (checkpoints;
+``save_sharded`` / ``load_sharded`` for a sharded checkpoint folder that loads
+at any world size). The constructor's helpers: ``strategy.py`` (process
+groups), ``params.py`` (which parameters, meta-device init); ``unit.py`` holds
+what the files share, so imports here run one way (tests/test_import_graph.py).
+
+``minifsdp.fsdp.wrap`` is the module, as in torch: ``from minifsdp.fsdp.wrap import wrap``.
 """
 
-from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
-                  OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
-                  StateDictConfig, StateDictType)
+from . import wrap  # the module (torch's ``torch.distributed.fsdp.wrap``), not the function of that name
+from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig,
+                  LocalStateDictConfig, MixedPrecision, OptimStateDictConfig, ShardedOptimStateDictConfig,
+                  ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
 from .fully_sharded import FullyShardedDataParallel
-from .options import init_hybrid_groups
 from .state_dict import FlatShard, load_sharded, save_sharded
+from .strategy import init_hybrid_groups
 from .wrap import (ModuleWrapPolicy, always_wrap_policy, auto_wrap, default_auto_wrap_policy, enable_wrap,
-                   lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
+                   lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy)
 
 FSDP = FullyShardedDataParallel
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
-           "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "FlatShard",
+           "LocalStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
+           "LocalOptimStateDictConfig", "StateDictSettings", "FlatShard",
            "save_sharded", "load_sharded",
            "init_hybrid_groups", "ModuleWrapPolicy", "always_wrap_policy", "auto_wrap", "default_auto_wrap_policy",
            "enable_wrap", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
-           "wrap"]
+           "wrap"]  # "wrap": the module

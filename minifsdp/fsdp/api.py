@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
-           "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig", "OptimStateDictConfig",
-           "FullOptimStateDictConfig", "ShardedOptimStateDictConfig"]
+           "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
+           "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
+           "LocalOptimStateDictConfig", "StateDictSettings"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -142,6 +143,11 @@ class ShardedStateDictConfig(StateDictConfig):
 
 
 @dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
 class OptimStateDictConfig:
     offload_to_cpu: bool = True
 
@@ -154,3 +160,17 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     pass
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``FSDP.set_state_dict_type`` sets on every unit and returns (the previous settings)."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

@@ -325,7 +325,8 @@ class FlatParamHandle:
             self.flat_param.copy_(self.shard_of(full).to(self.flat_param.device, self.flat_param.dtype))
 
     # -- gradients --------------------------------------------------------------
-    def reduce_grad(self, dp_size: int) -> Callable[[], None] | None:
+    def reduce_grad(self, dp_size: int,
+                    comm_hook: tuple[object, Callable] | None = None) -> Callable[[], None] | None:
         """Start averaging ``_full.grad`` over all data-parallel ranks into ``flat_param.grad``.
 
         reduce-scatter inside the shard group (each rank receives the sum of
@@ -333,6 +334,9 @@ class FlatParamHandle:
         (HYBRID_SHARD; NO_SHARD is the special case of a shard group of one).
         The first collective runs async; the returned ``finish()`` waits for
         it and stores the result (the caller decides when: overlap).
+        ``comm_hook`` = (state, hook) from ``register_comm_hook`` replaces both
+        collectives and the averaging: ``hook(state, grad, shard)`` fills the
+        shard (``hook(state, grad)`` reduces in place when nothing is sharded).
         """
         grad = self._full.grad
         self._full.grad = None
@@ -340,9 +344,14 @@ class FlatParamHandle:
             return None
         label(grad, UNSHARDED_GRADS)
         grad = grad.to(self.reduce_dtype)
-        grad.div_(dp_size)  # average, like DDP/FSDP: every rank saw 1/dp_size of the batch
+        if comm_hook is None:
+            grad.div_(dp_size)  # average, like DDP/FSDP: every rank saw 1/dp_size of the batch
         with comm.annotate(unit=self.unit):
-            if self.shard_size > 1:
+            if comm_hook is not None:  # the user's reduction, synchronous (as torch calls it)
+                state, hook = comm_hook
+                out, first = (grad.new_empty(self.shard_numel), None) if self.shard_size > 1 else (grad, None)
+                hook(state, grad, out) if self.shard_size > 1 else hook(state, grad)
+            elif self.shard_size > 1:
                 out = grad.new_empty(self.shard_numel)
                 first = comm.reduce_scatter_tensor(out, grad, group=self.shard_group, async_op=True)
             else:
@@ -353,7 +362,7 @@ class FlatParamHandle:
         def finish() -> None:
             if first is not None:
                 first.wait()
-            if self.shard_size > 1 and self.replicate_size > 1:  # HYBRID: across the replicas
+            if self.shard_size > 1 and self.replicate_size > 1 and comm_hook is None:  # HYBRID: across replicas
                 with comm.annotate(unit=self.unit):
                     comm.all_reduce(out, group=self.replicate_group)
             reduced = out.to(self.flat_param.device, self.flat_param.dtype)

@@ -20,15 +20,13 @@ import torch
 import torch.nn as nn
 
 from .. import comm, dist
-from .fully_sharded import _IDLE
-from .fully_sharded import FullyShardedDataParallel as FSDP
-from .options import all_ranks_enter
+from .unit import FSDPUnit, TrainingState, all_ranks_enter, units
 
 __all__ = ["clip_grad_norm_", "summon_full_params"]
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: FSDP, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(model: FSDPUnit, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip all gradients by their *global* norm (over every shard); return that norm.
 
     Each rank sums ``|g|^p`` over its gradient shards; one all-reduce over the
@@ -37,7 +35,7 @@ def clip_grad_norm_(model: FSDP, max_norm: float, norm_type: float = 2.0) -> tor
     ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
     """
     norm_type, inf = float(norm_type), float(norm_type) == math.inf
-    flat = {id(p) for u in model.modules() if isinstance(u, FSDP) for h in u._handles for p in h.sharded_params}
+    flat = {id(p) for _, u in units(model) for h in u._handles for p in h.sharded_params}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dev = model.compute_device
 
@@ -70,15 +68,15 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         raise ValueError("summon_full_params(rank0_only=True) cannot write back (the other ranks hold no full "
                          "copy); pass writeback=False")
     expose = not rank0_only or dist.rank() == 0
-    units = [m for m in module.modules() if isinstance(m, FSDP)]
-    units = units if recurse else units[:1]
-    busy = [u._name for u in units if u._training_state != _IDLE]
+    chosen = [u for _, u in units(module)]
+    chosen = chosen if recurse else chosen[:1]
+    busy = [u._name for u in chosen if u._training_state != TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"summon_full_params() inside forward/backward of units {busy}; call it between steps")
-    if units:
-        all_ranks_enter("summon_full_params", units[0])  # an error, not a hang, if a rank is missing
+    if chosen:
+        all_ranks_enter("summon_full_params", chosen[0])  # an error, not a hang, if a rank is missing
     gathered = []
-    for u in units:
+    for u in chosen:
         for h in u._handles:
             h.reshard()  # a kept (root) copy may be stale after optimizer.step()
             full = h.gather_full()
@@ -99,7 +97,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             if writeback:
                 h.write_shard(full)
             h.hide_params()
-        for u in units if expose else ():
+        for u in chosen if expose else ():
             for h in u._handles:
                 if h.orig_params is None:
                     u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param

@@ -22,12 +22,17 @@ One training step, followed through this file (units: root and its children)::
     optim.step()         a plain torch optimizer updates the shards (model.parameters())
 
 The flat-parameter mechanics (flatten, pad, gather, free, views, reduce) live
-in ``flat_param.py``; wrap policies in ``wrap.py``; state dicts in ``state_dict.py``.
+in ``flat_param.py``; wrap policies in ``wrap.py``; state dicts in
+``state_dict.py``; clipping and full parameters in ``full_params.py``; the
+constructor's helpers in ``strategy.py`` (groups) and ``params.py`` (which
+parameters, meta-device init). Those files never import this one (``unit.py``
+holds what they share), so the imports of ``fsdp/`` run one way, into here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -36,19 +41,44 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm, dist, trace
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from . import full_params
+from . import state_dict as sd
+from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
+                  StateDictConfig, StateDictSettings, StateDictType)
 from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
-from .options import (WRAPPED, clean_name, groups, install_optimizer_check, managed_buffers, managed_params,
-                      materialize_meta, resolve_mixed_precision, resolve_strategy)
+from .params import install_optimizer_check, managed_buffers, managed_params, materialize_meta
+from .strategy import HYBRID, groups, resolve_mixed_precision, resolve_strategy
+from .unit import WRAPPED, FSDPUnit, TrainingState, units
+from .wrap import _recursive_wrap
 
 __all__ = ["FullyShardedDataParallel", "MAX_UNSHARDED_UNITS"]
 
 MAX_UNSHARDED_UNITS = 2  # limit_all_gathers: non-root units allowed unsharded when prefetching
-_IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+_IDLE, _FORWARD, _BACKWARD = TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-class FullyShardedDataParallel(nn.Module):
+class _module_or_self:
+    """A method that is static on the class (torch: ``FSDP.summon_full_params(model)``) and
+    bound on an instance (FairScale: ``model.summon_full_params()``)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, owner: type) -> Callable:
+        if obj is None:
+            return self.fn
+
+        @functools.wraps(self.fn)
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            if "module" in kwargs or (args and isinstance(args[0], nn.Module)):  # torch's form on an instance
+                return self.fn(*args, **kwargs)
+            return self.fn(obj, *args, **kwargs)
+        return bound
+
+
+class FullyShardedDataParallel(FSDPUnit):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Same arguments and meaning as ``torch.distributed.fsdp.FullyShardedDataParallel``;
@@ -75,7 +105,7 @@ class FullyShardedDataParallel(nn.Module):
       shard per unit. True: the original parameters, each a 1-D view of its
       piece of the shard (per-parameter optimizer groups work).
     * ``param_init_fn``: a model built on the meta device is materialized before
-      flattening, by ``param_init_fn(module)`` or ``reset_parameters()`` (``options.materialize_meta``).
+      flattening, by ``param_init_fn(module)`` or ``reset_parameters()`` (``params.materialize_meta``).
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
@@ -100,16 +130,17 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
         self._limit_all_gathers = limit_all_gathers
         self._reshard_after_forward = strategy in _RESHARD_AFTER_FORWARD
-        self._shard_group, self._replicate_group = groups(process_group, strategy)
-        self._dp_size = dist.world_size(self._shard_group) if self._shard_group is not None else 1
-        self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
         self.compute_device = (torch.device("cuda", device_id) if isinstance(device_id, int)
                                else torch.device(device_id) if device_id is not None else dist.device())
-        materialize_meta(module, param_init_fn, ignored_modules, self.compute_device, FullyShardedDataParallel)
+        self._shard_group, self._replicate_group = groups(process_group, strategy, self.compute_device)
+        self._dp_size = dist.world_size(self._shard_group) if self._shard_group is not None else 1
+        self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
+        materialize_meta(module, param_init_fn, ignored_modules, self.compute_device)
         if device_id is not None:
             module.to(self.compute_device)
+        if strategy in HYBRID:  # children share the root's groups (as torch passes them on)
+            process_group = (self._shard_group, self._replicate_group)
         if auto_wrap_policy is not None:  # wrap the children first, with the same options
-            from .wrap import _recursive_wrap
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
                           ignored_modules=ignored_modules, device_id=device_id,
@@ -119,7 +150,7 @@ class FullyShardedDataParallel(nn.Module):
             _recursive_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored, only_wrap_children=True,
                             **kwargs)
         self._fsdp_wrapped_module = module
-        params = managed_params(module, ignored, FullyShardedDataParallel)
+        params = managed_params(module, ignored)
         buffers = managed_buffers(module, ignored, self.compute_device)
         if sync_module_states:
             self._sync_module_states([p for *_, p in params] + buffers)
@@ -140,17 +171,18 @@ class FullyShardedDataParallel(nn.Module):
         self._root: FullyShardedDataParallel | None = None  # set by the root's lazy init
         self._training_state = _IDLE
         self._sync_grads = True
+        self._comm_hook: tuple[object, Callable] | None = None  # register_comm_hook's (state, hook)
+        self._init_state_dict_settings()
         self._name_units()  # provisional names (relative to this unit); the root's lazy init renames
 
     def _name_units(self) -> list[FullyShardedDataParallel]:
-        units = []
-        for path, m in self.named_modules():
-            if isinstance(m, FullyShardedDataParallel):
-                m._name = clean_name(path) or "root"
-                for h in m._handles:
-                    h.unit = m._name
-                units.append(m)
-        return units
+        found = []
+        for path, m in units(self):
+            m._name = path or "root"
+            for h in m._handles:
+                h.unit = m._name
+            found.append(m)
+        return found
 
     # -- small helpers ----------------------------------------------------------
     @property
@@ -272,7 +304,7 @@ class FullyShardedDataParallel(nn.Module):
                 # unit's whole backward to overlap with), so the reductions in flight never hold
                 # more than one unit's full-size gradient.
                 root._wait_reduce()
-                root._pending_reduce = handle.reduce_grad(self._dp_size)
+                root._pending_reduce = handle.reduce_grad(self._dp_size, self._comm_hook)
             else:  # under no_sync() the unsharded gradient stays and accumulates
                 label(handle._full.grad, UNSHARDED_GRADS)
             handle.reshard()
@@ -332,62 +364,125 @@ class FullyShardedDataParallel(nn.Module):
         The first backward after the block reduces the whole accumulated sum.
         Costs a full-size gradient per unit while inside.
         """
-        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
-        previous = [u._sync_grads for u in units]
-        for u in units:
+        chosen = [u for _, u in units(self)]
+        previous = [u._sync_grads for u in chosen]
+        for u in chosen:
             u._sync_grads = False
         try:
             yield
         finally:
-            for u, p in zip(units, previous):
+            for u, p in zip(chosen, previous):
                 u._sync_grads = p
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drop unsharded gradients held by ``no_sync()`` (they are not ``.grad`` of any parameter)."""
         super().zero_grad(set_to_none)
-        for u in self.modules():
-            for h in getattr(u, "_handles", ()):
+        for _, u in units(self):
+            for h in u._handles:
                 h._full.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every shard; return that norm (see full_params.py)."""
-        from .full_params import clip_grad_norm_
-        return clip_grad_norm_(self, max_norm, norm_type)
+        return full_params.clip_grad_norm_(self, max_norm, norm_type)
+
+    @_module_or_self
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False, *,
+                           volatile: bool | None = None) -> contextlib.AbstractContextManager:
+        """Inside the block the original parameters are full ``nn.Parameter``s (see full_params.py).
+
+        torch's form ``FSDP.summon_full_params(model)`` and FairScale's ``model.summon_full_params()``
+        both work; FairScale's ``volatile=True`` means ``writeback=False``.
+        """
+        writeback = writeback if volatile is None else not volatile
+        return full_params.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
 
     @staticmethod
-    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-                           offload_to_cpu: bool = False, with_grads: bool = False) -> contextlib.AbstractContextManager:
-        """Inside the block the original parameters are full ``nn.Parameter``s (see full_params.py)."""
-        from .full_params import summon_full_params
-        return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every FSDP unit at or below ``module`` (parents first); ``root_only``: those with no unit above."""
+        found = [u for _, u in units(module)]
+        if not root_only:
+            return found
+        inner = {id(v) for u in found for _, v in units(u) if v is not u}
+        return [u for u in found if id(u) not in inner]
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduce gradients with ``hook`` instead of the built-in reduce-scatter / all-reduce (torch's contract).
+
+        Sharded strategies call ``hook(state, grad, output)``: ``grad`` is a unit's full
+        flat gradient (padded), ``output`` the shard to fill. NO_SHARD calls
+        ``hook(state, grad)``, which reduces in place. The hook averages too (torch's
+        ``default_hooks.allreduce_hook`` / ``reduce_scatter_hook`` divide by the world
+        size). Call it on the root, once, before the first forward; not for HYBRID_SHARD.
+        """
+        found = FullyShardedDataParallel.fsdp_modules(self)
+        if any(self in u.modules() for u in found if u is not self):
+            raise ValueError("register_comm_hook() must be called on the root FSDP module (the outermost)")
+        if not callable(hook):
+            raise ValueError(f"the communication hook must be callable, got {hook!r}")
+        for u in found:
+            if u.sharding_strategy in HYBRID:
+                raise ValueError(f"register_comm_hook() does not support {u.sharding_strategy.name} (torch neither); "
+                                 "use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+            if u._comm_hook is not None:
+                raise ValueError("a communication hook is already registered; register it once")
+        for u in found:
+            u._comm_hook = (state, hook)
 
     # -- state dicts (state_dict.py) ------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        from . import state_dict as sd
         return sd.state_dict(self, *args, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        from . import state_dict as sd
         return sd.load_state_dict(self, state_dict, strict=strict)
 
     @staticmethod
-    def state_dict_type(module: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
-                        optim_state_dict_config: Any = None) -> contextlib.AbstractContextManager:
-        from . import state_dict as sd
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None
+                        ) -> contextlib.AbstractContextManager:
         return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                            state_dict_config: StateDictConfig | None = None,
+                            optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+        return sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        return sd.get_state_dict_type(module)
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
-        from . import state_dict as sd
         return sd.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group: Any = None) -> dict[str, Any]:
-        from . import state_dict as sd
-        return sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        """As torch: the optimizer's own format; ``load_directly=True`` also loads it into ``optim``."""
+        if is_named_optimizer:
+            raise NotImplementedError("is_named_optimizer=True (TorchRec's KeyedOptimizer / NamedOptimizer) is not "
+                                      "supported; pass a plain torch.optim optimizer")
+        result = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                              rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+        """torch's older API: the full, name-keyed optimizer state (``{}`` off rank 0 with ``rank0_only``)."""
+        return sd.full_optim_state_dict(model, optim, rank0_only)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                      optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
+                                      group: Any = None) -> dict[str, Any]:
+        """torch's older API: rank 0's full optimizer state dict -> this rank's, ready for ``optim.load_state_dict``."""
+        return sd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
 
 # --------------------------------------------------------------------------

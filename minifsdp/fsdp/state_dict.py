@@ -19,15 +19,18 @@ The optimizer follows the same rule: its state for a flat shard (AdamW's
 parameters; counters like ``step`` are copied to every original parameter.
 
 A FULL dict needs collectives, so every rank must ask for it; one rank alone
-would wait forever. ``options.all_ranks_enter`` first meets the other ranks
+would wait forever. ``unit.all_ranks_enter`` first meets the other ranks
 through the process group's key-value store, with a deadline, and names the
 ranks that never came.
+
+Read ``fully_sharded.py`` first: ``FSDP.state_dict`` and friends delegate here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -35,17 +38,16 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from .. import dist
-from .api import (FullOptimStateDictConfig, FullStateDictConfig, OptimStateDictConfig, ShardedStateDictConfig,
-                  StateDictConfig, StateDictType)
-from .fully_sharded import FullyShardedDataParallel as FSDP
-from .options import all_ranks_enter, clean_name
+from .. import comm, dist
+from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
+                  OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig,
+                  StateDictSettings, StateDictType)
+from .full_params import summon_full_params
+from .unit import FSDPUnit, all_ranks_enter, clean_name, units
 
-__all__ = ["FlatShard", "state_dict_type", "state_dict", "load_state_dict", "optim_state_dict",
-           "optim_state_dict_to_load", "save_sharded", "load_sharded"]
-
-_nested = False          # True while nn.Module's own traversal runs (child units then behave as plain modules)
-_entries: dict[str, int] = {}
+__all__ = ["FlatShard", "set_state_dict_type", "get_state_dict_type", "state_dict_type", "state_dict",
+           "load_state_dict", "optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict",
+           "scatter_full_optim_state_dict", "save_sharded", "load_sharded"]
 
 
 @dataclass
@@ -61,65 +63,105 @@ class FlatShard:
 # --------------------------------------------------------------------------
 # Choosing the type
 # --------------------------------------------------------------------------
+_DEFAULT_CONFIGS = {  # torch's defaults per type: (model config, optimizer config)
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+    """Set the state dict type of every unit at or below ``module``; return the previous settings.
+
+    ``FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)`` (torch's
+    signature); a config left None gets the type's default, as in torch.
+    """
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(f"state_dict_type must be a StateDictType, got {state_dict_type!r}")
+    model_cfg, optim_cfg = _DEFAULT_CONFIGS[state_dict_type]
+    settings = StateDictSettings(state_dict_type, state_dict_config or model_cfg(),
+                                 optim_state_dict_config or optim_cfg())
+    previous = [u._set_state_dict_settings(settings) for _, u in units(module)]
+    return previous[0] if previous else settings
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings shared by every unit at or below ``module`` (an error if they differ)."""
+    found = {repr(u.state_dict_settings): u.state_dict_settings for _, u in units(module)}
+    if len(found) != 1:
+        raise ValueError(f"get_state_dict_type: {'no FSDP unit under this module' if not found else 'units differ: '}"
+                         f"{list(found)[:2] if found else ''}; set it with FSDP.set_state_dict_type(root, ...)")
+    return next(iter(found.values()))
+
+
 @contextlib.contextmanager
 def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config: StateDictConfig | None = None,
                     optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
     """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):``"""
-    units = [m for m in module.modules() if isinstance(m, FSDP)]
-    saved = [(getattr(u, "_sd", None)) for u in units]
-    default = FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig()
-    for u in units:
-        u._sd = (state_dict_type, state_dict_config or default, optim_state_dict_config)
+    saved = [(u, u.state_dict_settings) for _, u in units(module)]
+    set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
     finally:
-        for u, s in zip(units, saved):
-            u._sd = s
+        for u, settings in saved:
+            u._set_state_dict_settings(settings)
 
 
-def _settings(model: nn.Module) -> tuple[StateDictType, Any, Any]:
-    return getattr(model, "_sd", None) or (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), None)
+def _settings(model: nn.Module) -> StateDictSettings:
+    return model.state_dict_settings
 
 
 # --------------------------------------------------------------------------
-# Helpers: walking the units, nn.Module's own traversal, meeting the other ranks
+# Helpers: the units' tensors as plain modules would save them
 # --------------------------------------------------------------------------
-def _units(model: nn.Module) -> Iterator[tuple[str, FSDP]]:
-    for path, m in model.named_modules():
-        if isinstance(m, FSDP):
-            yield clean_name(path), m
-
-
 def _key(prefix: str, fqn: str) -> str:
     return f"{prefix}.{fqn}" if prefix else fqn
 
 
 @contextlib.contextmanager
 def _plain(model: nn.Module, hide_orig: bool = True) -> Iterator[None]:
-    """Flat shards (and the sharded original parameters of use_orig_params) hidden, child units
-    acting as plain modules: ``nn.Module.state_dict`` then yields exactly the buffers and the
-    unmanaged (ignored) parameters -- or, inside summon_full_params, the full parameters too."""
-    global _nested
-    hidden = [(u, n, u._parameters.pop(n)) for _, u in _units(model) for n in ("_flat_param", "_flat_param_frozen")
+    """Flat shards (and the sharded original parameters of use_orig_params) hidden: ``_tensors``
+    then yields exactly the buffers and the unmanaged (ignored) parameters -- or, inside
+    summon_full_params, the full parameters too."""
+    hidden = [(u, n, u._parameters.pop(n)) for _, u in units(model) for n in ("_flat_param", "_flat_param_frozen")
               if n in u._parameters]
-    orig = [h for _, u in _units(model) for h in u._handles if h.orig_params is not None and hide_orig]
+    orig = [h for _, u in units(model) for h in u._handles if h.orig_params is not None and hide_orig]
     for h in orig:
         for info in h.infos:
             info.module._parameters.pop(info.attr, None)
-    _nested = True
     try:
         yield
     finally:
-        _nested = False
         for u, n, p in hidden:
             u._parameters[n] = p
         for h in orig:
             h.use_sharded_views()
 
 
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``nn.Module.state_dict``'s traversal with every unit read as the plain module it is.
+
+    ``nn.Module.state_dict`` would call each child unit's own ``state_dict`` (ours,
+    which gathers or cuts pieces); here each module saves only its own tensors
+    (``_save_to_state_dict``), so nested units add their buffers and nothing else.
+    Keys keep the ``_fsdp_wrapped_module.`` hops; callers clean them.
+    """
+    out: dict[str, torch.Tensor] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        m._save_to_state_dict(out, prefix, False)
+        for name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+    visit(model, "")
+    return out
+
+
 def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
     """Every original parameter's clean key -> (its handle, its ParamInfo)."""
-    return {_key(prefix, info.fqn): (h, info) for prefix, u in _units(model) for h in u._handles for info in h.infos}
+    return {_key(prefix, info.fqn): (h, info) for prefix, u in units(model) for h in u._handles for info in h.infos}
 
 
 # --------------------------------------------------------------------------
@@ -128,9 +170,7 @@ def _expected(model: nn.Module) -> dict[str, tuple[Any, Any]]:
 def state_dict(model: nn.Module, *args: Any, destination: dict | None = None, prefix: str = "",
                keep_vars: bool = False) -> dict[str, Any]:
     """``model.state_dict()`` of a unit, by the type chosen with ``state_dict_type`` (default FULL)."""
-    if _nested:  # inside our own call of nn.Module's traversal: a child unit is a plain module
-        return nn.Module.state_dict(model, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-    kind = _settings(model)[0]
+    kind = _settings(model).state_dict_type
     if kind == StateDictType.LOCAL_STATE_DICT:
         return nn.Module.state_dict(model, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     out = _clean_state_dict(model)
@@ -141,18 +181,18 @@ def state_dict(model: nn.Module, *args: Any, destination: dict | None = None, pr
 
 
 def _clean_state_dict(model: nn.Module) -> dict[str, Any]:
-    kind, cfg, _ = _settings(model)
+    kind, cfg = _settings(model).state_dict_type, _settings(model).state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
         all_ranks_enter("state_dict", model)
-        with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), \
+        with summon_full_params(model, writeback=False, offload_to_cpu=cfg.offload_to_cpu), \
                 _plain(model, hide_orig=False):  # summon put the full parameters in their place
-            raw = nn.Module.state_dict(model)
+            raw = _tensors(model)
         out = {clean_name(k): v.detach().clone() for k, v in raw.items()}
         _restore_buffer_dtypes(model, out)
         rank0_only = getattr(cfg, "rank0_only", False)
         return {} if rank0_only and dist.rank() != 0 else out
     with _plain(model):  # SHARDED: buffers and unmanaged parameters as they are, flat pieces per parameter
-        out = {clean_name(k): v.detach().clone() for k, v in nn.Module.state_dict(model).items()}
+        out = {clean_name(k): v.detach().clone() for k, v in _tensors(model).items()}
     for key, (h, info) in _expected(model).items():
         start, end = h.local_piece(info)
         lo = h.shard_rank * h.shard_numel
@@ -173,15 +213,14 @@ def _restore_buffer_dtypes(model: nn.Module, out: dict[str, Any]) -> None:
 
 def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True) -> Any:
     """Load a FULL (any world size) or SHARDED (same world size) dict; names mismatched keys."""
-    kind, _, _ = _settings(model)
-    if kind == StateDictType.LOCAL_STATE_DICT:
+    if _settings(model).state_dict_type == StateDictType.LOCAL_STATE_DICT:
         return nn.Module.load_state_dict(model, sd, strict)
-    for _, u in _units(model):  # a kept unsharded copy would be stale after loading
+    for _, u in units(model):  # a kept unsharded copy would be stale after loading
         for h in u._handles:
             h.reshard()
     expected = _expected(model)
     with _plain(model):
-        others = {clean_name(k): k for k in nn.Module.state_dict(model)}
+        others = {clean_name(k): k for k in _tensors(model)}
     missing = sorted((set(expected) | set(others)) - set(sd))
     unexpected = sorted(set(sd) - set(expected) - set(others))
     if strict and (missing or unexpected):
@@ -252,7 +291,7 @@ def _owners(model: nn.Module) -> tuple[dict[int, Any], dict[int, str]]:
     """id(optimizer parameter) -> (handle, unit prefix, which unique param or None for the flat shard);
     id(parameter FSDP does not manage) -> its clean name."""
     owners: dict[int, Any] = {}
-    for prefix, u in _units(model):
+    for prefix, u in units(model):
         for h in u._handles:
             if h.orig_params is None:
                 owners[id(h.flat_param)] = (h, prefix, None)
@@ -284,7 +323,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                      osd: dict[str, Any] | None = None) -> dict[str, Any]:
     """The optimizer's state keyed by the unwrapped model's parameter names (torch's format)."""
     osd = osd if osd is not None else optim.state_dict()
-    kind, _, ocfg = _settings(model)
+    kind, ocfg = _settings(model).state_dict_type, _settings(model).optim_state_dict_config
     full = kind != StateDictType.SHARDED_STATE_DICT
     if full:
         all_ranks_enter("optim_state_dict", model)
@@ -327,10 +366,58 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     return {"state": state, "param_groups": groups}
 
 
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
+    """torch's ``FSDP.full_optim_state_dict``: ``optim_state_dict`` of type FULL (``{}`` off rank 0 if rank0_only)."""
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=rank0_only)):
+        return optim_state_dict(model, optim)
+
+
+def scatter_full_optim_state_dict(full_osd: dict[str, Any] | None, model: nn.Module, optim_input: Any = None,
+                                  optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """torch's ``FSDP.scatter_full_optim_state_dict``: rank 0 holds ``full_optim_state_dict``'s result
+    (other ranks pass None); every rank gets its own, ready for ``optim.load_state_dict``.
+
+    Rank 0 broadcasts the whole dict (serialized) and each rank cuts its shard, simpler
+    than torch, which sends each rank only its piece. The parameter order is
+    ``optim``'s, else ``optim_input``'s (parameters or groups), else ``model.parameters()``.
+    """
+    osd = _broadcast_object(full_osd if dist.rank() == 0 else None, model)
+    if optim is not None:
+        groups = optim.param_groups
+    else:
+        given = list(optim_input) if optim_input is not None else list(model.parameters())
+        groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+    return _to_load(model, [list(g["params"]) for g in groups], osd)
+
+
+def _broadcast_object(obj: Any, model: nn.Module) -> Any:
+    """Rank 0's ``obj`` on every rank: its ``torch.save`` bytes, broadcast with comm (so the trace sees them)."""
+    device = model.compute_device if isinstance(model, FSDPUnit) else dist.device()
+    data = torch.zeros(0, dtype=torch.uint8)
+    if dist.rank() == 0:
+        if obj is None:
+            raise ValueError("scatter_full_optim_state_dict: rank 0 got None; pass it "
+                             "FSDP.full_optim_state_dict(model, optim)'s result")
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], device=device)
+    comm.broadcast(size, src=0)
+    payload = data.to(device) if dist.rank() == 0 else torch.empty(int(size), dtype=torch.uint8, device=device)
+    comm.broadcast(payload, src=0)
+    with torch.serialization.safe_globals([FlatShard]):
+        return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu")
+
+
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
     """Turn a (full or sharded) name-keyed optimizer state dict back into ``optim.load_state_dict``'s format."""
+    return _to_load(model, [list(g["params"]) for g in optim.param_groups], osd)
+
+
+def _to_load(model: nn.Module, groups: list[list[torch.Tensor]], osd: dict[str, Any]) -> dict[str, Any]:
+    """``optim_state_dict_to_load`` for an optimizer over ``groups`` (lists of parameters, in order)."""
     owners, names = _owners(model)
-    params = [p for g in optim.param_groups for p in g["params"]]
+    params = [p for g in groups for p in g]
     state: dict[int, Any] = {}
     shards: dict[int, dict[str, Any] | None] = {}  # id(handle) -> its state in the flat shard's layout
     for idx, p in enumerate(params):
@@ -351,15 +438,15 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             # each its own copy, counters too: AdamW increments ``step`` in place, once per parameter
             state[idx] = {k: (v[lo:hi] if v.dim() > 0 else v).clone() if torch.is_tensor(v) else v
                           for k, v in flat_state.items()}
-    if len(osd["param_groups"]) != len(optim.param_groups):
+    if len(osd["param_groups"]) != len(groups):
         raise ValueError(f"optim_state_dict_to_load: checkpoint has {len(osd['param_groups'])} parameter groups, "
-                         f"the optimizer {len(optim.param_groups)}")
-    groups, start = [], 0
-    for saved_group, group in zip(osd["param_groups"], optim.param_groups):
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
-                       "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    return {"state": state, "param_groups": groups}
+                         f"the optimizer {len(groups)}")
+    out, start = [], 0
+    for saved_group, group in zip(osd["param_groups"], groups):
+        out.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                    "params": list(range(start, start + len(group)))})
+        start += len(group)
+    return {"state": state, "param_groups": out}
 
 
 def _load_flat_layout(h: Any, prefix: str, osd: dict[str, Any]) -> dict[str, Any] | None:

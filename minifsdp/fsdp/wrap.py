@@ -16,10 +16,19 @@ A policy is asked twice per module, bottom-up (as torch does)::
     policy(module=m, recurse=True,  nonwrapped_numel=n)  # look inside m's children?
     policy(module=m, recurse=False, nonwrapped_numel=r)  # wrap m itself? (r: what its children left)
 
+A FairScale-style policy (one that names ``unwrapped_params``) is asked the same
+questions in FairScale's words: ``policy(module=m, recurse=..., unwrapped_params=n,
+module_is_root=...)``, ``module_is_root`` True for the module being wrapped.
+
 Worked example, GPT with 2 ``Block`` s: ``ModuleWrapPolicy({Block})`` gives
 units ``blocks.0``, ``blocks.1`` and the root (embeddings, final norm, head).
 ``size_based_auto_wrap_policy`` with ``min_num_params=10_000`` wraps each
 block (12,704 params) and leaves the rest to the root.
+
+``enable_wrap`` / ``wrap`` follow torch (``wrap`` passes every context keyword,
+``auto_wrap_policy`` included, to the wrapper class); ``auto_wrap`` follows
+FairScale. ``fully_sharded.py`` calls ``_recursive_wrap`` for its
+``auto_wrap_policy``; this file imports nothing else from ``fsdp/``.
 """
 
 from __future__ import annotations
@@ -84,28 +93,37 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self._classes]})"
 
 
-def default_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int | None = None,
-                             module_is_root: bool = False, min_num_params: int = int(1e8),
-                             force_leaf_modules: set[type] | None = None,
+def default_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool = False,
+                             min_num_params: int = int(1e8), force_leaf_modules: set[type] | None = None,
                              exclude_wrap_modules: set[type] | None = None,
-                             nonwrapped_numel: int | None = None) -> bool:
-    """FairScale's size policy (its argument is called ``unwrapped_params``)."""
-    numel = unwrapped_params if unwrapped_params is not None else nonwrapped_numel or 0
-    return size_based_auto_wrap_policy(module, recurse, numel, min_num_params, force_leaf_modules,
-                                       exclude_wrap_modules)
+                             skip_params_check_for_root: bool = False) -> bool:
+    """FairScale's size policy: look inside, and wrap, only what holds ``min_num_params``.
+
+    Unlike torch's ``size_based_auto_wrap_policy`` it does not look inside a module
+    too small to wrap (the outcome is the same: nothing below it is larger).
+    ``skip_params_check_for_root``: wrap the root whatever its size.
+    """
+    leaf = tuple(FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules)
+    exclude = tuple(EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules)
+    is_large = unwrapped_params >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, leaf)
+    return (is_large or (module_is_root and skip_params_check_for_root)) and not isinstance(module, exclude)
 
 
-def _ask(policy: Callable, module: nn.Module, recurse: bool, numel: int) -> bool:
-    """Call a torch-style (``nonwrapped_numel``) or FairScale-style (``unwrapped_params``) policy."""
+def _ask(policy: Callable, module: nn.Module, recurse: bool, numel: int, module_is_root: bool) -> bool:
+    """Ask a policy in its own words: FairScale's (``unwrapped_params``, ``module_is_root``) or torch's."""
     target = policy.func if isinstance(policy, functools.partial) else policy
     try:
-        names = set(inspect.signature(target).parameters)
-    except (TypeError, ValueError):
-        names = {"nonwrapped_numel"}
-    if "nonwrapped_numel" in names or "kwargs" in names:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: torch's keywords
         return bool(policy(module=module, recurse=recurse, nonwrapped_numel=numel))
-    if "unwrapped_params" in names:
-        return bool(policy(module=module, recurse=recurse, unwrapped_params=numel))
+    any_keyword = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    root = {"module_is_root": module_is_root} if "module_is_root" in params or any_keyword else {}
+    if "unwrapped_params" in params:  # FairScale (>= 0.4.6 passes module_is_root too)
+        return bool(policy(module=module, recurse=recurse, unwrapped_params=numel, **root))
+    if "nonwrapped_numel" in params or any_keyword:  # torch
+        return bool(policy(module=module, recurse=recurse, nonwrapped_numel=numel, **root))
     return bool(policy(module, recurse, numel))
 
 
@@ -125,20 +143,21 @@ def _unwrapped_numel(module: nn.Module, wrapper_cls: type, ignored: set[nn.Modul
 
 
 def _recursive_wrap(module: nn.Module, policy: Callable, wrapper_cls: type, ignored: set[nn.Module],
-                    only_wrap_children: bool = False, **kwargs: Any) -> tuple[nn.Module, int]:
+                    only_wrap_children: bool = False, module_is_root: bool = True,
+                    **kwargs: Any) -> tuple[nn.Module, int]:
     """Wrap ``module``'s subtree bottom-up; returns (module or its wrapper, parameters wrapped)."""
     if isinstance(module, wrapper_cls) or module in ignored:
         return module, 0
     numel = _unwrapped_numel(module, wrapper_cls, ignored)
-    if not _ask(policy, module, True, numel):
+    if not _ask(policy, module, True, numel, module_is_root):
         return module, 0
     wrapped = 0
     for name, child in list(module.named_children()):
-        new_child, n = _recursive_wrap(child, policy, wrapper_cls, ignored, **kwargs)
+        new_child, n = _recursive_wrap(child, policy, wrapper_cls, ignored, module_is_root=False, **kwargs)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped += n
-    if not only_wrap_children and _ask(policy, module, False, numel - wrapped):
+    if not only_wrap_children and _ask(policy, module, False, numel - wrapped, module_is_root):
         return wrapper_cls(module, **kwargs), numel
     return module, wrapped
 
@@ -155,9 +174,12 @@ def enable_wrap(*, wrapper_cls: type | None = None, **wrapper_kwargs: Any) -> It
 
         with enable_wrap(wrapper_cls=FSDP, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP):
             model = wrap(nn.Sequential(wrap(nn.Linear(8, 8)), wrap(nn.Linear(8, 8))))
+
+    ``wrapper_cls`` is required, as in torch and FairScale.
     """
     if wrapper_cls is None:
-        from .fully_sharded import FullyShardedDataParallel as wrapper_cls  # FairScale's default
+        raise TypeError("enable_wrap() needs the wrapper class, as in torch and FairScale: "
+                        "enable_wrap(wrapper_cls=FullyShardedDataParallel, ...)")
     _wrap_context.append((wrapper_cls, wrapper_kwargs))
     try:
         yield
@@ -166,20 +188,26 @@ def enable_wrap(*, wrapper_cls: type | None = None, **wrapper_kwargs: Any) -> It
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
-    """Wrap ``module`` inside ``enable_wrap`` (keyword overrides win); outside, return it unchanged."""
+    """Wrap ``module`` inside ``enable_wrap`` (keyword overrides win); outside, return it unchanged.
+
+    Every keyword goes to the wrapper, ``auto_wrap_policy`` too, as in torch:
+    ``with enable_wrap(wrapper_cls=FSDP, auto_wrap_policy=ModuleWrapPolicy({Block})): wrap(gpt)``
+    makes one unit per ``Block`` and the root.
+    """
     if not _wrap_context:
         return module
     wrapper_cls, kwargs = _wrap_context[-1]
-    kwargs = {k: v for k, v in {**kwargs, **wrap_overrides}.items() if k != "auto_wrap_policy"}
-    return wrapper_cls(module, **kwargs)
+    return wrapper_cls(module, **{**kwargs, **wrap_overrides})
 
 
 def auto_wrap(module: nn.Module, auto_wrap_policy: Callable | None = None, **kwargs: Any) -> nn.Module:
     """FairScale's auto_wrap: inside ``enable_wrap``, wrap ``module``'s subtree by the policy.
 
-    The default policy is ``default_auto_wrap_policy`` (100M parameters). The
-    module itself is wrapped too if the policy says so; wrap the result with
-    ``wrap`` (or the wrapper class) to make it the root.
+    The policy is ``auto_wrap_policy``, else the context's, else
+    ``default_auto_wrap_policy`` (100M parameters); ``module`` is asked with
+    ``module_is_root=True``. The module itself is wrapped too if the policy says
+    so; wrap the result with ``wrap`` (or the wrapper class) to make it the root.
+    Units are built without ``auto_wrap_policy``: the recursion here already chose them.
     """
     if not _wrap_context:
         return module

@@ -1,0 +1,115 @@
+"""From FullyShardedDataParallel's arguments to a sharding strategy and its process groups.
+
+Every strategy is a pair of process groups (torch FSDP1 keeps the same pair:
+``process_group`` and ``_inter_node_pg``):
+
+===============  =========================  ==========================
+strategy         shard group                replicate group
+===============  =========================  ==========================
+FULL_SHARD       ``process_group`` (all)    none
+SHARD_GRAD_OP    ``process_group`` (all)    none
+NO_SHARD         none (groups of one)       ``process_group`` (all)
+HYBRID_SHARD     the ranks of one node      the same local rank on every node
+===============  =========================  ==========================
+
+A gradient is reduce-scattered inside the shard group, then all-reduced
+across the replicate group (``flat_param.FlatParamHandle.reduce_grad``).
+
+HYBRID_SHARD without a process group does what torch does
+(``_init_utils._init_process_group_state_for_hybrid_shard``): the node size is
+the number of devices of the compute device's type on this machine,
+``torch.cuda.device_count()`` on CUDA, ``torch.cpu.device_count()`` (which is 1)
+on CPU, so on CPU the default shard groups hold one rank each: nothing is
+sharded, as with torch. Pass ``process_group=init_hybrid_groups(shard_size)``
+to choose. Read ``fully_sharded.py`` first; this file is its constructor's helper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from .. import dist
+from .api import MixedPrecision, ShardingStrategy
+
+__all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "groups", "devices_per_node",
+           "init_hybrid_groups"]
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | None) -> ShardingStrategy:
+    """FairScale's ``reshard_after_forward`` picks between the ZeRO-3 and ZeRO-2-like variants."""
+    if reshard_after_forward is None or strategy == ShardingStrategy.NO_SHARD:
+        return strategy
+    if strategy in HYBRID:
+        return ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def resolve_mixed_precision(mp: MixedPrecision | bool | None) -> MixedPrecision | None:
+    if mp is True:  # FairScale's shorthand, read as bf16 (see MixedPrecision)
+        return MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    if mp is False or mp is None:
+        return None
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a MixedPrecision, True or None, got {type(mp).__name__}")
+    return mp
+
+
+def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device) -> tuple[Any, Any]:
+    """(shard group, replicate group) for a strategy; ``device`` is the compute device (HYBRID's default)."""
+    if strategy in HYBRID:
+        if isinstance(process_group, tuple) and len(process_group) == 2:
+            return process_group
+        if process_group is not None:
+            raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group) or None "
+                             "(then: shard inside each node, see init_hybrid_groups)")
+        return init_hybrid_groups(devices_per_node(device))
+    if isinstance(process_group, tuple):
+        raise ValueError(f"a (shard, replicate) group pair is for HYBRID_SHARD, not {strategy.name}")
+    group = process_group if process_group is not None else tdist.group.WORLD
+    return (None, group) if strategy == ShardingStrategy.NO_SHARD else (group, None)
+
+
+def devices_per_node(device: torch.device) -> int:
+    """torch's node size for HYBRID_SHARD: ``torch.<device type>.device_count()``.
+
+    >>> devices_per_node(torch.device("cpu"))   # torch.cpu.device_count(): one CPU "device"
+    1
+    """
+    return getattr(torch, torch.device(device).type).device_count()
+
+
+_hybrid_cache: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
+    """This rank's (shard group, replicate group) for HYBRID_SHARD. Collective: call on every rank.
+
+    Shard groups are ``shard_size`` consecutive ranks (a node), replicate groups
+    the ranks with the same position in each (torch's intra-/inter-node groups).
+    With 4 ranks and ``shard_size=2``: shard {0,1} {2,3}, replicate {0,2} {1,3}.
+    ``shard_size`` defaults to ``devices_per_node(dist.device())``, as torch's HYBRID_SHARD.
+    Every unit of a model gets the same pair (cached per world and size).
+    """
+    world = dist.world_size()
+    shard_size = shard_size or devices_per_node(dist.device())
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"shard_size={shard_size} must divide the world size {world}: pass "
+                         "process_group=init_hybrid_groups(shard_size) with the ranks per node")
+    key = (id(tdist.distributed_c10d._get_default_group()), shard_size)  # a new world needs new groups
+    if key not in _hybrid_cache:
+        rank, mine = dist.rank(), [None, None]
+        for start in range(0, world, shard_size):  # every rank creates every group, in the same order
+            ranks = list(range(start, start + shard_size))
+            g = tdist.new_group(ranks)
+            mine[0] = g if rank in ranks else mine[0]
+        for offset in range(shard_size):
+            ranks = list(range(offset, world, shard_size))
+            g = tdist.new_group(ranks)
+            mine[1] = g if rank in ranks else mine[1]
+        _hybrid_cache[key] = (mine[0], mine[1])
+    return _hybrid_cache[key]
