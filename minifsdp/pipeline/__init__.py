@@ -17,7 +17,7 @@ by changing the import::
         schedule.step()
 
 Read in this order: ``schedules.py`` (plans as data, printable before anything
-runs), ``validate.py`` (the checks and the paper timeline: bubble, peak
+runs), ``validator.py`` (the checks and the paper timeline: bubble, peak
 activations), ``stage.py`` (one stage: forward, B / I / W backward, messages),
 ``executor.py`` (the loop that runs any plan; torch's schedule classes),
 ``partition.py`` (cutting a GPT by balance or parameter count) and
@@ -30,7 +30,7 @@ from .parallel import SCHEDULE_CLASSES, PipelineParallel, pipeline_groups
 from .partition import GPTStage, balance_by_params, gpt_layers, split_gpt
 from .schedules import SCHEDULES, Action, Plan, gpipe, interleaved_1f1b, lower, make_plan, one_f_one_b, zero_bubble
 from .stage import CHECKPOINT_MODES, PipelineStage
-from .validate import ScheduleError, Timeline, simulate, validate
+from .validator import ScheduleError, Timeline, simulate, validate
 
 __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "PipelineSchedule", "split_microbatches",

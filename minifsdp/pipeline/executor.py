@@ -41,7 +41,7 @@ import torch
 from .. import comm, trace
 from .schedules import Action, Plan, make_plan
 from .stage import PipelineStage
-from .validate import validate
+from .validator import validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "split_microbatches"]
@@ -88,7 +88,7 @@ class PipelineSchedule:
         if (self.plan.p, self.plan.m, self.plan.v) != (p, n_microbatches, v):
             raise ValueError(f"the plan is for p={self.plan.p}, m={self.plan.m}, v={self.plan.v}; the stages and "
                              f"n_microbatches give p={p}, m={n_microbatches}, v={v}")
-        self._lowered = validate(self.plan)
+        self._lowered = validate(self.plan).lowered
         self.pipeline_order = self.plan.compute_only().order
         if any(a.kind == "W" for acts in self.pipeline_order.values() for a in acts):
             for st in stages:

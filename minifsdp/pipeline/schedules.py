@@ -1,6 +1,6 @@
 """Pipeline schedules as plain data: who runs which micro-batch when, before anything runs.
 
-Read this file first in ``minifsdp.pipeline``; ``validate.py`` checks a plan,
+Read this file first in ``minifsdp.pipeline``; ``validator.py`` checks a plan,
 ``stage.py`` and ``executor.py`` run one. A *plan* is, for every rank, an
 ordered list of actions, in the notation of ``torch.distributed.pipelining``
 (its ``_Action``: stage index, kind, micro-batch): ``"1F3"`` is stage 1's
@@ -114,20 +114,20 @@ class Plan:
         return Plan(self.name, self.p, self.m, self.v,
                     {r: [a for a in acts if a.kind in COMPUTE] for r, acts in self.order.items()})
 
-    # Derived from the simulated timeline (validate.py): the tests and the lab use these.
+    # Derived from the simulated timeline (validator.py): the tests and the lab use these.
     def bubble(self) -> float:
         """Idle fraction of rank-time on the plan's own timeline (F=1, B=2, I=W=1)."""
-        from .validate import simulate
+        from .validator import simulate
         return simulate(self).bubble
 
     def peak_activations(self) -> dict[int, float]:
         """Per rank: most micro-batches whose activations are held at once, in whole-rank units."""
-        from .validate import simulate
+        from .validator import simulate
         return simulate(self).peak_activations
 
-    def table(self, width: int = 3) -> str:
+    def table(self, width: int | None = None) -> str:
         """torchgpipe-style ASCII table: one row per rank, one column per time unit."""
-        from .validate import simulate
+        from .validator import simulate
         return simulate(self).table(width)
 
     def __str__(self) -> str:

@@ -14,7 +14,8 @@ come the timeline (``table()``), the bubble (idle rank-time / total
 rank-time) and the activations each rank holds at its peak.
 
     >>> from minifsdp.pipeline.schedules import gpipe
-    >>> validate(gpipe(2, 2))              # silent: valid
+    >>> validate(gpipe(2, 2)).bubble       # valid: its timeline; (p-1)/(m+p-1)
+    0.3333333333333333
     >>> print(simulate(gpipe(2, 2)).table())
            0  1  2  3  4  5  6  7  8
     rank 0 |F0|F1|  |  |  |B0   |B1   |
@@ -84,6 +85,7 @@ def _static_problems(plan: Plan) -> list[str]:
     if problems:
         return problems
     comms = plan.has_comms()
+    held = {r: set(acts) for r, acts in plan.order.items()}
     for r, acts in plan.order.items():
         seen: dict[Action, int] = {}
         for pos, a in enumerate(acts):
@@ -112,7 +114,7 @@ def _static_problems(plan: Plan) -> list[str]:
                 if peer == r:
                     problems.append(f"rank {r}: {a} is a message to itself; neighbouring stages on one rank hand "
                                     "over in memory, drop it")
-                elif match not in plan.order[peer]:
+                elif match not in held[peer]:
                     verb = "sends" if a.kind.startswith("SEND") else "waits to receive"
                     problems.append(f"rank {r} {verb} {a} but rank {peer} has no matching {match}")
             seen[a] = pos
@@ -124,6 +126,7 @@ class Timeline:
     """A plan's simulated run: ``spans[rank]`` = [(start, end, action)], times in units."""
 
     plan: Plan
+    lowered: Plan                                              # the plan with its messages
     spans: dict[int, list[tuple[int, int, Action]]] = field(default_factory=dict)
     peak_held: dict[int, int] = field(default_factory=dict)   # (stage, micro-batch) pairs, at the peak
 
@@ -135,16 +138,21 @@ class Timeline:
     def bubble(self) -> float:
         busy = sum(e - s for sp in self.spans.values() for s, e, _ in sp)
         total = self.makespan * len(self.spans)
-        return 1.0 - busy / total if total else 0.0
+        return (total - busy) / total if total else 0.0
 
     @property
     def peak_activations(self) -> dict[int, float]:
         """Micro-batches' worth of a rank's layers held at the peak (a stage is 1/v of them)."""
         return {r: n / self.plan.v for r, n in self.peak_held.items()}
 
-    def table(self, width: int = 3) -> str:
-        """One row per rank, one column per time unit; a blank cell is idle (the bubble)."""
+    def table(self, width: int | None = None) -> str:
+        """One row per rank, one column per time unit; a blank cell is idle (the bubble).
+
+        A cell is ``F3`` (forward of micro-batch 3); with several stages per rank
+        a letter says which of the rank's stages (``F3a`` its first, ``F3b`` its second).
+        """
         v, p = self.plan.v, self.plan.p
+        width = width or (4 if v > 1 else 3) + (self.plan.m > 10)
         cols = self.makespan
         head = " " * 7 + "".join(f"{t:<{width}d}" for t in range(cols))
         rows = [head.rstrip()]
@@ -164,33 +172,39 @@ def simulate(plan: Plan) -> Timeline:
     """Run the plan on paper (see the module docstring); raises ScheduleError if it deadlocks."""
     low = plan.with_comms()
     acts = low.order
+    # A message is known by (direction, sending stage, micro-batch); sends never wait.
+    key = {"SEND_F": lambda a: ("F", a.stage, a.mb), "RECV_F": lambda a: ("F", a.stage - 1, a.mb),
+           "SEND_B": lambda a: ("B", a.stage, a.mb), "RECV_B": lambda a: ("B", a.stage + 1, a.mb)}
     pos = {r: 0 for r in acts}
     clock = {r: 0 for r in acts}
-    sent: dict[tuple[int, Action], int] = {}          # (rank, send action) -> time
-    tl = Timeline(plan, {r: [] for r in acts})
+    sent: dict[tuple[str, int, int], int] = {}        # message -> time it was sent
+    tl = Timeline(plan, low, {r: [] for r in acts})
     held = {r: 0 for r in acts}
     tl.peak_held = {r: 0 for r in acts}
     freeing = "W" if any(a.kind == "W" for aa in acts.values() for a in aa) else "B"
     moved = True
     while moved:
         moved = False
-        for r in acts:
-            while pos[r] < len(acts[r]):
-                a = acts[r][pos[r]]
-                if a.kind.startswith("RECV"):
-                    peer, match = _peer_action(low, a)
-                    if (peer, match) not in sent:
-                        break  # blocked: its message has not been sent yet
-                    clock[r] = max(clock[r], sent[(peer, match)])
-                elif a.kind.startswith("SEND"):
-                    sent[(r, a)] = clock[r]
-                else:
-                    start, clock[r] = clock[r], clock[r] + DURATION[a.kind]
-                    tl.spans[r].append((start, clock[r], a))
-                    held[r] += (a.kind == "F") - (a.kind == freeing)
+        for r, todo in acts.items():
+            i, t, spans = pos[r], clock[r], tl.spans[r]
+            while i < len(todo):
+                a = todo[i]
+                kind = a.kind
+                if kind in DURATION and DURATION[kind]:       # compute
+                    spans.append((t, t + DURATION[kind], a))
+                    t += DURATION[kind]
+                    held[r] += (kind == "F") - (kind == freeing)
                     tl.peak_held[r] = max(tl.peak_held[r], held[r])
-                pos[r] += 1
-                moved = True
+                elif kind[0] == "S":                             # send: never waits
+                    sent[key[kind](a)] = t
+                else:                                            # receive: waits for its send
+                    when = sent.get(key[kind](a))
+                    if when is None:
+                        break
+                    t = max(t, when)
+                i += 1
+            moved |= i != pos[r]
+            pos[r], clock[r] = i, t
     stuck = [r for r in acts if pos[r] < len(acts[r])]
     if stuck:
         raise ScheduleError([_deadlock(low, pos, stuck)])
@@ -214,8 +228,9 @@ def _deadlock(plan: Plan, pos: dict[int, int], stuck: list[int]) -> str:
     return f"deadlock: {steps}, which finished without sending it"
 
 
-def validate(plan: Plan) -> Plan:
-    """Raise ScheduleError listing what is wrong; return the plan with its messages if it is valid."""
+def validate(plan: Plan) -> Timeline:
+    """Raise ScheduleError listing what is wrong; for a valid plan return its ``Timeline``
+    (``.lowered`` is the plan with its messages, what the executor runs)."""
     unknown = [f"rank {r}: {a!r} is not an Action" for r, acts in plan.order.items() for a in acts
                if not isinstance(a, tuple) or len(a) != 3 or a[1] not in COMPUTE + COMM]
     if unknown:
@@ -228,5 +243,4 @@ def validate(plan: Plan) -> Plan:
            for a, n in Counter(acts).items() if n > 1]
     if dup:
         raise ScheduleError(dup)
-    simulate(plan)  # deadlock check
-    return plan.with_comms()
+    return simulate(plan)  # raises on a deadlock
