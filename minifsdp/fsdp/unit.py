@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # type hints only; flat_param.py is imported by fully_sharded
 __all__ = ["TrainingState", "FSDPUnit", "WRAPPED", "clean_name", "units", "all_ranks_enter", "ENTRY_TIMEOUT_S"]
 
 WRAPPED = "_fsdp_wrapped_module"  # the attribute holding the wrapped module (torch's name)
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # minifsdp.checkpoint's wrapper (torch's name); stripped from keys
 ENTRY_TIMEOUT_S = 60.0  # how long a rank waits for the others to enter a collective checkpoint function
 
 
@@ -85,12 +86,13 @@ class FSDPUnit(nn.Module):
 
 
 def clean_name(path: str) -> str:
-    """The unwrapped model's name for a path: drop the wrapper's ``_fsdp_wrapped_module`` hops.
+    """The unwrapped model's name for a path: drop the wrappers' hops, FSDP's ``_fsdp_wrapped_module``
+    and activation checkpointing's ``_checkpoint_wrapped_module`` (torch's ``clean_tensor_name`` too).
 
-    >>> clean_name("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.attn.qkv.weight")
-    'blocks.0.attn.qkv.weight'
+    >>> clean_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module._fsdp_wrapped_module.ln_1.weight")
+    'blocks.0.ln_1.weight'
     """
-    return ".".join(p for p in path.split(".") if p and p != WRAPPED)
+    return ".".join(p for p in path.split(".") if p and p not in (WRAPPED, CHECKPOINT_WRAPPED))
 
 
 def units(module: nn.Module) -> Iterator[tuple[str, FSDPUnit]]:
