@@ -10,6 +10,8 @@ only a function that wraps the model and builds the optimizer:
     fsdp        fully sharded data parallel                  (minifsdp.fsdp)
     pp, pp+dp   pipeline parallel (gpipe | 1f1b | interleaved | zero-bubble),
                 x data-parallel replicas                     (minifsdp.pipeline)
+    tp          Megatron tensor parallel (--tp N, --sequence-parallel)  (minifsdp.tensor_parallel)
+    fsdp+tp     FSDP over --dp replicas of a --tp split model: 2D  (minifsdp.mesh)
     torch-ddp, torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard)
                 PyTorch's own, for comparison                (torch_reference.py)
 

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"", "dist", "launch"}),  # "": minifsdp/__init__.py, which re-exports launch
     ("recording", {"trace", "memory"}),
     ("communication", {"comm"}),
-    ("leaves", {"models", "data", "estimate"}),
+    ("leaves", {"models", "data", "estimate", "planner"}),
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh"}),
     ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__"}),
 ]
