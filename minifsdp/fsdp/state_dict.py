@@ -438,6 +438,10 @@ def _to_load(model: nn.Module, groups: list[list[torch.Tensor]], osd: dict[str, 
             # each its own copy, counters too: AdamW increments ``step`` in place, once per parameter
             state[idx] = {k: (v[lo:hi] if v.dim() > 0 else v).clone() if torch.is_tensor(v) else v
                           for k, v in flat_state.items()}
+    if osd["state"] and not state:  # loading would silently leave the optimizer without its state
+        raise ValueError(f"optim_state_dict_to_load: no key of the checkpoint ({sorted(osd['state'])[:4]}...) names a "
+                         "parameter of this optimizer (saved from another model?); save it with "
+                         "FSDP.optim_state_dict(model, optim) of the same model")
     if len(osd["param_groups"]) != len(groups):
         raise ValueError(f"optim_state_dict_to_load: checkpoint has {len(osd['param_groups'])} parameter groups, "
                          f"the optimizer {len(groups)}")

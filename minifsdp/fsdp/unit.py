@@ -28,7 +28,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from .. import dist
-from .api import FullStateDictConfig, StateDictSettings, StateDictType
+from .api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
 if TYPE_CHECKING:  # type hints only; flat_param.py is imported by fully_sharded.py
     from .flat_param import FlatParamHandle
@@ -73,7 +73,8 @@ class FSDPUnit(nn.Module):
 
     def _init_state_dict_settings(self) -> None:
         # torch's defaults: FULL_STATE_DICT, full optimizer state dicts
-        self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), None)
+        self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                                      FullOptimStateDictConfig())
 
     def _set_state_dict_settings(self, settings: StateDictSettings) -> StateDictSettings:
         """Use ``settings`` for this unit's state dicts from now on; return the previous ones."""
