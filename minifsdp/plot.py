@@ -574,3 +574,69 @@ def mesh_diagram(mesh: Any, ax: Axes | None = None) -> Figure:
     ax.set_title(f"{mesh!r}: {mesh.size()} ranks\ndashed row = one tensor-parallel group, "
                  "column = one data-parallel group", fontsize=9)
     return fig
+
+
+# --------------------------------------------------------------------------
+# pipeline schedules: planned (from the plan as data) over measured (from traces)
+# --------------------------------------------------------------------------
+__all__ += ["pipeline_schedule"]
+
+# Forward blue, backward orange; zero bubble's halves of backward in two shades.
+PIPELINE_COLORS = {"F": "#8fb8de", "B": "#f2b880", "I": "#e8a05c", "W": "#c9b3d9"}
+
+
+def _pipeline_rows(ax: Axes, rows: dict[int, list[tuple[float, float, Any]]], p: int, y0: float,
+                   label_fmt: str) -> list[float]:
+    """One bar per action, coloured by kind, labelled with its micro-batch; returns the row centres."""
+    centres = []
+    for r in sorted(rows):
+        y = y0 + r
+        centres.append(y + 0.4)
+        for start, end, a in rows[r]:
+            chunk = a.stage // p
+            ax.add_patch(mpatches.Rectangle((start, y), end - start, 0.8, facecolor=PIPELINE_COLORS[a.kind],
+                                            edgecolor="white", linewidth=0.6, hatch="//" if chunk % 2 else None))
+            ax.text((start + end) / 2, y + 0.4, label_fmt.format(kind=a.kind, mb=a.mb), ha="center",
+                    va="center", fontsize=7, clip_on=True)
+    return centres
+
+
+def pipeline_schedule(plan: Any, traces: Sequence[Trace] | None = None, title: str | None = None) -> Figure:
+    """The plan on its unit timeline (F = 1, B = 2, I = W = 1) and, given traces, the measured run under it.
+
+    ``plan`` is a ``minifsdp.pipeline.Plan`` (or a ``Timeline``); ``traces`` one
+    ``trace.Trace`` per rank, recorded around one ``schedule.step`` (the
+    executor opens a span per action). Hatched bars are a rank's second stage
+    (interleaved). Each panel's title gives its bubble: idle rank-time over
+    total rank-time, waiting for a message counted as idle.
+    """
+    from .pipeline import measured_bubble, measured_spans, simulate
+
+    tl = plan if hasattr(plan, "spans") and hasattr(plan, "lowered") else simulate(plan)
+    p = tl.plan.p
+    n_panels = 1 if traces is None else 2
+    fig = Figure(figsize=(11, 0.55 * p * n_panels + 1.4 * n_panels))
+    axes = [fig.add_subplot(n_panels, 1, k + 1) for k in range(n_panels)]
+    centres = _pipeline_rows(axes[0], tl.spans, p, 0, "{kind}{mb}")
+    axes[0].set_xlim(0, tl.makespan)
+    axes[0].set_xlabel("time (units: a forward = 1)")
+    axes[0].set_title(f"planned: {tl.plan.name}, p={p}, m={tl.plan.m}, v={tl.plan.v}; "
+                      f"bubble {tl.bubble:.1%}", fontsize=9)
+    if traces is not None:
+        spans = measured_spans(list(traces))
+        t0 = min((s for sp in spans.values() for s, _, _ in sp), default=0.0)
+        rows = {r: [((s - t0) * 1e3, (e - t0) * 1e3, a) for s, e, a in sp] for r, sp in spans.items()}
+        _pipeline_rows(axes[1], rows, p, 0, "{mb}")
+        axes[1].set_xlim(0, max((e for sp in rows.values() for _, e, _ in sp), default=1.0))
+        axes[1].set_xlabel("time (ms) from the first forward")
+        axes[1].set_title(f"measured: bubble {measured_bubble(list(traces)):.1%}", fontsize=9)
+    for ax in axes:
+        ax.set_ylim(p, -0.2)
+        ax.set_yticks(centres, [f"rank {r}" for r in range(p)], fontsize=8)
+    handles = [mpatches.Patch(color=c, label=k) for k, c in PIPELINE_COLORS.items()
+               if any(a.kind == k for sp in tl.spans.values() for _, _, a in sp)]
+    axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -25,7 +25,7 @@ activations), ``stage.py`` (one stage: forward, B / I / W backward, messages),
 """
 
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleFromPlan, ScheduleGPipe, ScheduleInterleaved1F1B,
-                       ScheduleInterleavedZeroBubble, split_microbatches)
+                       ScheduleInterleavedZeroBubble, measured_bubble, measured_spans, split_microbatches)
 from .parallel import SCHEDULE_CLASSES, PipelineParallel, pipeline_groups
 from .partition import GPTStage, balance_by_params, gpt_layers, split_gpt
 from .schedules import SCHEDULES, Action, Plan, gpipe, interleaved_1f1b, lower, make_plan, one_f_one_b, zero_bubble
@@ -37,4 +37,4 @@ __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleave
            "Action", "Plan", "SCHEDULES", "make_plan", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble",
            "lower", "validate", "simulate", "Timeline", "ScheduleError", "GPTStage", "gpt_layers",
            "balance_by_params", "split_gpt", "CHECKPOINT_MODES", "PipelineParallel", "SCHEDULE_CLASSES",
-           "pipeline_groups"]
+           "pipeline_groups", "measured_bubble", "measured_spans"]

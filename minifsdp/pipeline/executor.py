@@ -44,9 +44,11 @@ from .stage import PipelineStage
 from .validator import validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "split_microbatches"]
+           "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "split_microbatches", "SPAN_NAMES",
+           "measured_spans", "measured_bubble"]
 
 _SPAN = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+SPAN_NAMES = tuple(_SPAN.values())
 
 
 def split_microbatches(t: Any, m: int, what: str = "batch") -> list[Any]:
@@ -226,3 +228,27 @@ class ScheduleFromPlan(PipelineSchedule):
             m = n_microbatches or 1 + max(a.mb for acts in order.values() for a in acts)
             plan = Plan("custom", p, m, stages[0].num_stages // p, order)
         super().__init__(list(stages), plan.m, loss_fn, plan, scale_grads)
+
+
+# --------------------------------------------------------------------------
+# Measurement: the same quantities as the plan's, from what the tracer recorded
+# --------------------------------------------------------------------------
+def measured_spans(traces: list[trace.Trace]) -> dict[int, list[tuple[float, float, Action]]]:
+    """Per rank, the (start, end, action) of every pipeline compute span recorded, in seconds."""
+    return {tr.rank: [(s.start, s.end, Action.parse(s.args["action"])) for s in tr.spans
+                      if s.name in SPAN_NAMES and "action" in s.args] for tr in traces}
+
+
+def measured_bubble(traces: list[trace.Trace]) -> float:
+    """Idle fraction of rank-time between the first compute span and the last, over all ranks.
+
+    Waiting on a receive counts as idle, exactly as a blank cell of the plan's table.
+    """
+    spans = measured_spans(traces)
+    starts = [s for sp in spans.values() for s, _, _ in sp]
+    ends = [e for sp in spans.values() for _, e, _ in sp]
+    if not starts:
+        raise ValueError("no pipeline spans in these traces: run schedule.step() inside a trace.Tracer")
+    window = (max(ends) - min(starts)) * len(spans)
+    busy = sum(e - s for sp in spans.values() for s, e, _ in sp)
+    return (window - busy) / window

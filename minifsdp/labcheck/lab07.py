@@ -1,0 +1,146 @@
+"""Checks of lab 07 (pipeline parallel): the learner's 1F1B and zero-bubble plans, and their
+measured bubble.
+
+A plan is checked the way the library checks its own: ``minifsdp.pipeline.validate``
+(every forward before its backward, every message received, no deadlock), then its
+bubble on the paper timeline against the formula, then the activations each rank holds
+at its peak. The measured-bubble exercise gets hand-made traces whose answer is
+known exactly, with the spans a careless sum would count (a ``step`` span around
+everything, the ``recv`` that waited). Read ``verdict.py`` first.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import estimate, pipeline, trace
+from .verdict import call, failed, figures, is_library, passed, require_written
+
+__all__ = ["one_f_one_b", "zero_bubble", "measured_bubble"]
+
+SIZES = ((2, 1), (2, 4), (3, 5), (4, 4), (4, 8))  # (p, m), m < p included
+
+
+def _plan(what: str, fn: Callable, p: int, m: int) -> pipeline.Plan:
+    order = call(what, fn, p, m)
+    if isinstance(order, pipeline.Plan):
+        order = order.order
+    if not isinstance(order, dict) or sorted(order) != list(range(p)):
+        failed(what, f"for p={p}, m={m} it returned {type(order).__name__}"
+                     f"{'' if not isinstance(order, dict) else ' with keys ' + str(sorted(order))}: "
+                     f"return a dict {{rank: [actions]}} with ranks 0..{p - 1}")
+    try:
+        parsed = {r: [a if isinstance(a, pipeline.Action) else pipeline.Action.parse(str(a)) for a in acts]
+                  for r, acts in order.items()}
+    except ValueError as err:
+        failed(what, f"p={p}, m={m}: {err}")
+    return pipeline.Plan("yours", p, m, 1, parsed)
+
+
+def _validated(what: str, plan: pipeline.Plan) -> pipeline.Timeline:
+    try:
+        return pipeline.validate(plan)
+    except pipeline.ScheduleError as err:
+        failed(what, f"p={plan.p}, m={plan.m}: {err.problems[0]}")
+    raise AssertionError("unreachable")
+
+
+def _library(what: str, fn: Any, *library: Any) -> None:
+    if is_library(fn, *library):
+        failed(what, "that is the library's schedule (minifsdp.pipeline): write the plan yourself")
+
+
+# ------------------------------------------------------------------ exercise 1: 1F1B as data
+def one_f_one_b(fn: Callable) -> None:
+    """``fn(p, m)`` returns {rank: [actions]} for 1F1B; valid, formula bubble, at most p - r held."""
+    what = "1F1B plan"
+    require_written(what, fn)
+    _library(what, fn, pipeline.one_f_one_b, pipeline.make_plan)
+    for p, m in SIZES:
+        plan = _plan(what, fn, p, m)
+        if any(a.kind in ("I", "W") for acts in plan.order.values() for a in acts):
+            failed(what, "1F1B runs whole backwards (B); I and W belong to the zero-bubble exercise")
+        tl = _validated(what, plan)
+        formula = estimate.pipeline_bubble_fraction(p, m)
+        if abs(tl.bubble - formula) > 1e-9:
+            failed(what, f"p={p}, m={m}: bubble {tl.bubble:.1%} but (p-1)/(m+p-1) = {formula:.1%}: some rank waits "
+                         "longer than it must; compare your table with the library's")
+        for r, held in tl.peak_activations.items():
+            if held > min(m, p - r):
+                failed(what, f"p={p}, m={m}: rank {r} holds {held:g} micro-batches at once, 1F1B at most "
+                             f"p - r = {min(m, p - r)}: after the warm-up, each forward must be followed by "
+                             "the backward of the oldest micro-batch in flight")
+    tl = _validated(what, _plan(what, fn, 4, 8))
+    passed(what, f"valid for {len(SIZES)} (p, m) pairs, m < p included; p=4, m=8: "
+           + figures("bubble", f"{tl.bubble:.1%}", f"{estimate.pipeline_bubble_fraction(4, 8):.1%}",
+                     f"{pipeline.one_f_one_b(4, 8).bubble():.1%}")
+           + f"; rank 0 holds {tl.peak_activations[0]:g} micro-batches (GPipe: 8)")
+
+
+# ------------------------------------------------------------------ exercise 2: zero bubble
+def zero_bubble(fn: Callable) -> None:
+    """``fn(p, m)``: I/W split; valid; bubble below 1F1B's; no rank above 1F1B's peak (p)."""
+    what = "zero-bubble plan"
+    require_written(what, fn)
+    _library(what, fn, pipeline.zero_bubble, pipeline.make_plan)
+    best = None
+    for p, m in SIZES:
+        plan = _plan(what, fn, p, m)
+        kinds = {a.kind for acts in plan.order.values() for a in acts}
+        if "B" in kinds or not {"I", "W"} <= kinds:
+            failed(what, "split every backward B into I (input gradient) and W (weight gradient): "
+                         f"your plan has {sorted(kinds)}")
+        tl = _validated(what, plan)
+        base = pipeline.one_f_one_b(p, m).bubble()
+        if tl.bubble >= base - 1e-9 and p > 1:
+            failed(what, f"p={p}, m={m}: bubble {tl.bubble:.1%}, the same as 1F1B's {base:.1%}: a W right after "
+                         "its I fills nothing; nobody waits for W, so move it to where the rank would idle")
+        if max(tl.peak_activations.values()) > min(m, p):
+            r = max(tl.peak_activations, key=tl.peak_activations.get)
+            failed(what, f"p={p}, m={m}: rank {r} holds {tl.peak_activations[r]:g} micro-batches (a micro-batch is "
+                         f"freed by its W), more than 1F1B's most ({min(m, p)}): run W's sooner")
+        if (p, m) == (4, 8):
+            best = tl.bubble
+    target = 3 / (3 * 8 + 3)
+    hit = "on target" if abs(best - target) < 1e-9 else "below 1F1B's; ZB-H1 reaches the target"
+    passed(what, f"valid, I/W split, memory within 1F1B's; p=4, m=8: "
+           + figures("bubble", f"{best:.1%}", f"{target:.1%} (p-1)/(3m+p-1)", f"{pipeline.zero_bubble(4, 8).bubble():.1%}")
+           + f" (1F1B {pipeline.one_f_one_b(4, 8).bubble():.1%}): {hit}")
+
+
+# ------------------------------------------------------------------ exercise 3: measured bubble
+def _fake_traces() -> tuple[list[trace.Trace], float]:
+    """Two ranks, times in seconds; the answer by hand: window 0..10 s on 2 ranks = 20, busy 4 + 6."""
+    def span(name: str, start: float, end: float, kind: str = trace.COMPUTE, **args: Any) -> trace.Span:
+        return trace.Span(name, kind, start, end, args)
+    r0 = trace.Trace(rank=0, spans=[
+        span("step", -1.0, 11.0),                                   # the trainer's span around everything
+        span("forward", 0.0, 1.0, action="0F0"), span("forward", 1.0, 2.0, action="0F1"),
+        span("recv", 2.0, 8.0, trace.COMM),                         # waiting is idle
+        span("backward", 8.0, 10.0, action="0B0")])
+    r1 = trace.Trace(rank=1, spans=[
+        span("recv", 0.0, 1.0, trace.COMM),
+        span("forward", 1.0, 2.0, action="1F0"), span("forward", 2.0, 3.0, action="1F1"),
+        span("backward", 3.0, 5.0, action="1B0"), span("backward", 5.0, 7.0, action="1B1")])
+    return [r0, r1], (20.0 - 10.0) / 20.0
+
+
+def measured_bubble(fn: Callable) -> None:
+    """``fn(traces)``: idle fraction of rank-time between the first and last pipeline compute span."""
+    what = "measured bubble"
+    require_written(what, fn)
+    _library(what, fn, pipeline.measured_bubble)
+    traces, want = _fake_traces()
+    got = call(what, fn, traces)
+    if not isinstance(got, (int, float)):
+        failed(what, f"it returned {type(got).__name__}: return a fraction (a float between 0 and 1)")
+    if abs(got - want) > 1e-9:
+        hints = {  # what the usual slips give on these traces
+            1 - 22.0 / 24.0: "the trainer's 'step' span is not pipeline work: count only forward / backward spans",
+            1 - 17.0 / 20.0: "a rank waiting in recv is idle: communication spans are not work",
+            1 - 10.0 / 10.0: "divide by the window times the number of ranks",
+        }
+        hint = next((h for v, h in hints.items() if abs(got - v) < 1e-6),
+                    "busy = the sum of the forward/backward span durations of every rank; "
+                    "total = (last end - first start) x ranks")
+        failed(what, f"on two hand-made traces it gives {got:.3f}, the answer is {want:.3f}: {hint}")
+    passed(what, figures("hand-made traces", f"{got:.3f}", f"{want:.3f}"))
