@@ -11,19 +11,28 @@ the whole batch, so N ranks with B samples each compute exactly what one process
 N*B samples (up to float rounding). Cost: one all-reduce of every gradient
 per step, 2Ψ bytes in the ZeRO paper's units (Ψ = gradient bytes).
 
-Two wrappers, same contract (drop-in for ``torch.nn.parallel.DistributedDataParallel``):
+Naive beside optimized, same contract (drop-in for ``torch.nn.parallel.DistributedDataParallel``):
 
-* ``NaiveDataParallel`` - picotron's ``DataParallelNaive`` idea: a hook on each
-  parameter all-reduces its gradient the moment it is ready, one blocking
-  collective per tensor. Easy to read; slow (many tiny messages, and backward
-  stops while each one is on the wire).
-* ``DistributedDataParallel`` - what PyTorch's DDP does (Li et al., "PyTorch
-  Distributed: Experiences on Accelerating Data Parallel Training", VLDB
-  2020): gradients are packed into *buckets* of ~``bucket_cap_mb`` in
-  *reverse* parameter order (the last layers' gradients are ready first in
-  backward); as soon as a bucket is full its all-reduce starts
-  asynchronously while backward keeps computing earlier layers; at the end
-  of backward we wait for the handles and copy the averaged gradients back.
+1. ``NaiveDataParallel`` - picotron's ``DataParallelNaive`` idea: a hook on each
+   parameter all-reduces its gradient the moment it is ready, one blocking
+   collective per tensor. Easy to read; slow (many tiny messages, and backward
+   stops while each one is on the wire).
+2. ``bucket_assignment`` - which gradients travel together.
+3. ``BucketedDataParallel`` - what PyTorch's DDP does, and only that (Li et
+   al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
+   Training", VLDB 2020): gradients are packed into *buckets* of
+   ~``bucket_cap_mb`` in *reverse* parameter order (the last layers'
+   gradients are ready first in backward); as soon as a bucket is full its
+   all-reduce starts asynchronously while backward keeps computing earlier
+   layers; at the end of backward we wait for the handles and copy the
+   averaged gradients back.
+4. ``DistributedDataParallel`` - the same with torch's signature and options
+   (``find_unused_parameters``, ``gradient_as_bucket_view``, buffer and
+   device arguments), after the divider at the end of the file.
+
+Read first: ``comm.py`` (the collectives and their byte counts) and
+``trace.py`` (the spans below); then this file top to bottom. Next:
+``zero/`` (sharding the optimizer state of this data parallel training).
 
 Usage, inside ``minifsdp.launch`` or under torchrun (a process group exists):
 
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -56,7 +66,7 @@ from torch.distributed import ProcessGroup
 
 from . import comm, dist, trace
 
-__all__ = ["NaiveDataParallel", "DistributedDataParallel", "Bucket", "bucket_assignment",
+__all__ = ["NaiveDataParallel", "BucketedDataParallel", "DistributedDataParallel", "Bucket", "bucket_assignment",
            "broadcast_coalesced"]
 
 
@@ -192,8 +202,7 @@ def bucket_assignment(params: list[torch.Tensor], bucket_cap_mb: float,
     add tensors until the bucket *reaches* the cap, then close it - so a
     bucket exceeds the cap by less than its last tensor. (Closing *before*
     the cap instead pushes the overflow into the last bucket, whose
-    all-reduce cannot overlap anything: measured 12 % slower than torch at 4
-    ranks for gpt-small.) ``first_bucket_mb`` caps the first bucket lower,
+    all-reduce cannot overlap anything.) ``first_bucket_mb`` caps the first bucket lower,
     so the network gets busy sooner (torch: 1 MiB when the cap is left at
     its default). Tensors of different dtype or device never share a bucket
     (a bucket is one flat tensor).
@@ -246,45 +255,30 @@ class Bucket:
 
 
 # --------------------------------------------------------------------------
-# 3. DistributedDataParallel: bucketed, asynchronous, overlapped with backward
+# 3. The lesson: fill buckets, launch each all-reduce as its bucket fills, wait at the end
 # --------------------------------------------------------------------------
-class DistributedDataParallel(nn.Module):
-    """Bucketed gradient all-reduce overlapped with backward; mirrors ``torch.nn.parallel.DistributedDataParallel``.
+class BucketedDataParallel(nn.Module):
+    """Bucketed gradient all-reduce overlapped with backward: DDP's mechanism, nothing else.
 
-    Arguments as in torch (positional order too, up to ``find_unused_parameters``):
-
-    * ``device_ids`` - ``None`` for CPU modules; ``[i]`` (or ``None``) for a module on ``cuda:i``.
-    * ``output_device``, ``dim`` - accepted for compatibility; outputs are not moved (``dim`` must be 0).
-    * ``broadcast_buffers`` - broadcast rank 0's buffers before every forward (e.g. BatchNorm stats).
-    * ``bucket_cap_mb`` - bucket size in MiB (see ``bucket_assignment``). ``None`` (the default)
-      means 25 MiB with a 1 MiB first bucket, as torch; an explicit value is used for every
-      bucket, as torch. (torch 2.13 starts with ONE bucket and, after the first step, rebuilds
-      them in the order gradients arrived; we start with reverse parameter order, which is that
-      order for a model whose layers run in definition order: for gpt-small both give buckets
-      of 2757120, 28391424 and 12424704 bytes.)
-    * ``find_unused_parameters`` - see below. ``gradient_as_bucket_view`` - ``p.grad`` *is* the
-      bucket slice: no copy in or out, one gradient-sized buffer saved.
+    ``BucketedDataParallel(module, process_group=None, bucket_cap_mb=None)``:
+    rank 0's parameters and buffers are broadcast at wrap time and its buffers
+    again before every forward; ``bucket_cap_mb=None`` means torch's layout
+    (25 MiB buckets, the first 1 MiB), see ``bucket_assignment``.
 
     How one backward goes (the timeline shows it):
 
     1. a post-accumulate-grad hook fires as each ``p.grad`` is final; the
        first one queues ``_finalize_backward`` to run when backward ends;
     2. when a bucket's last gradient arrives, its gradients are packed into
-       the flat buffer, divided by N and ``all_reduce(async_op=True)`` starts.
-       Buckets start strictly in index order, so every rank issues the
-       collectives in the same order even if hooks fire in another;
+       the flat buffer, divided by N, and ``all_reduce(async_op=True)`` starts
+       while backward goes on computing earlier layers. Buckets start strictly
+       in index order, so every rank issues the collectives in the same order
+       even if hooks fire in another;
     3. at the end of backward: wait for every handle, copy the averages back.
 
-    **Unused parameters.** A parameter that gets no gradient leaves its
-    bucket incomplete, and that bucket (and all after it) would never be
-    sent. With ``find_unused_parameters=False`` we raise at the end of
-    backward, naming the parameters. With ``True`` they are marked ready
-    at the end of backward (their slot holds ``p.grad`` or zeros), and one
-    extra small all-reduce of "used" flags tells which were unused on *every*
-    rank: their ``.grad`` is left untouched (``None`` stays ``None``), as torch does.
-    (That flag all-reduce is the only traffic beyond 2Ψ: 4 bytes x 2 per parameter tensor.)
-    If only *some* ranks miss a gradient without ``find_unused_parameters``, those ranks
-    raise and the others wait in vain: under ``launch`` the error still surfaces.
+    Every parameter must get a gradient in every synchronised backward: a
+    bucket missing one never fills, and the error names the parameter.
+    ``DistributedDataParallel`` below adds torch's options on top.
 
     **no_sync() pitfall.** Like torch, whether a backward syncs is decided in
     ``forward`` (the flag is read there). So *both* forward and backward must
@@ -302,77 +296,50 @@ class DistributedDataParallel(nn.Module):
     (``model.module.state_dict()`` gives the plain keys).
     """
 
-    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
-                 output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group: ProcessGroup | None = None,
-                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False, *,
-                 gradient_as_bucket_view: bool = False):
+    def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None,
+                 bucket_cap_mb: float | None = None):
         super().__init__()
-        dist.require_initialized("DistributedDataParallel")
+        dist.require_initialized(type(self).__name__)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("DistributedDataParallel: the module has no parameter that requires a gradient; "
+            raise ValueError(f"{type(self).__name__}: the module has no parameter that requires a gradient; "
                              "there is nothing to synchronise (do not wrap it)")
-        self._check_devices(named, device_ids, dim)
         self.module = module
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.require_backward_grad_sync = True   # torch's name; no_sync() clears it
+        self.forward_sync_buffers = True          # torch's name: broadcast buffers before each forward
+        self.require_backward_grad_sync = True    # torch's name; no_sync() clears it
         self._world = dist.world_size(process_group)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
+        self._sync_module_states()
+        self._build_buckets(bucket_cap_mb)
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(_weak_hook(self, "_grad_ready", i))
+        self._armed = False            # set by forward: should the coming backward sync?
+        self._reset_backward_state()
 
-        # Same model everywhere, then rank 0's values everywhere (parameters AND buffers).
-        _check_same_model_everywhere(self._params, process_group, "DistributedDataParallel")
-        broadcast_coalesced(list(module.parameters()) + self._module_buffers, _group_src(process_group),
-                            process_group)
+    def _sync_module_states(self) -> None:
+        """Same model everywhere, then rank 0's values everywhere (parameters AND buffers)."""
+        _check_same_model_everywhere(self._params, self.process_group, type(self).__name__)
+        broadcast_coalesced(list(self.module.parameters()) + self._module_buffers, _group_src(self.process_group),
+                            self.process_group)
 
-        # Lay out the buckets (reverse order) and remember where each parameter lives.
-        self.buckets: list[Bucket] = []
-        self._bucket_of: list[int] = [0] * len(self._params)
+    def _build_buckets(self, bucket_cap_mb: float | None) -> None:
+        """Lay out the buckets (reverse order) and remember where each parameter's gradient goes."""
         first_mb = FIRST_BUCKET_MB if bucket_cap_mb is None else None
         layout = bucket_assignment(self._params, bucket_cap_mb or DEFAULT_BUCKET_CAP_MB, first_mb)
+        self.buckets: list[Bucket] = []
+        self._bucket_of = [0] * len(self._params)             # parameter i -> its bucket
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # parameter i -> its slice of the bucket
         for b, indices in enumerate(layout):
             ps = [self._params[i] for i in indices]
             buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
             views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in ps]), ps)]
             self.buckets.append(Bucket(b, [self._names[i] for i in indices], ps, buffer, views))
-            for i in indices:
-                self._bucket_of[i] = b
-        self._views = [None] * len(self._params)  # parameter i's slice of its bucket
-        for bk, indices in zip(self.buckets, layout):
-            for i, v in zip(indices, bk.views):
-                self._views[i] = v
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(_weak_hook(self, "_grad_ready", i))
+            for i, v in zip(indices, views):
+                self._bucket_of[i], self._views[i] = b, v
 
-        self._armed = False            # set by forward: should the coming backward sync?
-        self._locally_used = [False] * len(self._params)   # since the last sync (find_unused only)
-        self._reset_backward_state()
-
-    @staticmethod
-    def _check_devices(named: list, device_ids: list | None, dim: int) -> None:
-        devices = {p.device for _, p in named}
-        if len(devices) > 1:
-            raise ValueError(f"DistributedDataParallel: parameters live on several devices {sorted(map(str, devices))}; "
-                             "move the whole module to one device (dist.device()) first")
-        device = devices.pop()
-        if device_ids is not None:
-            if device.type == "cpu":
-                raise ValueError("DistributedDataParallel: device_ids must be None for a module on the CPU "
-                                 f"(got {device_ids}); pass device_ids=None")
-            wanted = [torch.device(device.type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
-            if wanted != [device]:
-                raise ValueError(f"DistributedDataParallel: device_ids={device_ids} does not match the module's "
-                                 f"device {device}; pass device_ids=[{device.index}] or None")
-        if dim != 0:
-            raise ValueError(f"DistributedDataParallel: dim={dim} is not supported (no scatter of inputs here); "
-                             "split the batch yourself and pass dim=0")
-
-    # -- per-backward state ---------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._in_backward = False          # has the first hook of this backward run?
         self._backward_start = 0.0
@@ -381,17 +348,9 @@ class DistributedDataParallel(nn.Module):
         for bk in self.buckets:
             bk.pending, bk.handle = len(bk.params), None
 
-    def _abort(self) -> None:
-        """Before raising: let the collectives already started finish, then forget this backward,
-        so that the wrapper still works after the error is fixed (a notebook keeps it)."""
-        for bk in self.buckets:
-            if bk.handle is not None:
-                bk.handle.wait()
-        self._reset_backward_state()
-
     # -- forward ---------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._module_buffers and self._world > 1:
+        if self.forward_sync_buffers and self._module_buffers and self._world > 1:
             broadcast_coalesced(self._module_buffers, _group_src(self.process_group), self.process_group)
         # torch DDP decides here, at forward time, whether the coming backward syncs (no_sync pitfall).
         self._armed = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -412,11 +371,9 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
-    # -- backward: hooks ---------------------------------------------------------
+    # -- backward: one hook per parameter -----------------------------------------
     @torch.no_grad()
     def _grad_ready(self, param: torch.Tensor, i: int) -> None:
-        if self.find_unused_parameters:
-            self._locally_used[i] = True
         if not self._armed:
             return  # forward ran inside no_sync(): accumulate locally, no communication
         if not self._in_backward:  # first gradient of this backward
@@ -424,41 +381,30 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         if self._ready[i]:
             self._abort()
-            raise RuntimeError(f"DistributedDataParallel: parameter {self._names[i]!r} got its gradient twice in "
+            raise RuntimeError(f"{type(self).__name__}: parameter {self._names[i]!r} got its gradient twice in "
                                "one backward (reentrant checkpointing or a second backward through the same "
                                "graph?); use non-reentrant checkpointing (use_reentrant=False)")
         self._ready[i] = True
         bucket = self.buckets[self._bucket_of[i]]
-        if self.gradient_as_bucket_view:
-            self._grad_into_view(param, self._views[i])
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
-
-    @staticmethod
-    def _grad_into_view(p: torch.Tensor, view: torch.Tensor) -> None:
-        """gradient_as_bucket_view: make ``p.grad`` the bucket slice (after zero_grad(set_to_none) it is new)."""
-        if p.grad is None:
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
 
     def _launch_ready_buckets(self) -> None:
         """Start every complete bucket from ``_next_bucket`` on, stopping at the first incomplete one."""
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bk = self.buckets[self._next_bucket]
-            scale = 1.0 / self._world  # average = sum of (grad / N), as torch's reducer does it
-            if self.gradient_as_bucket_view:
-                if self._world > 1:
-                    bk.buffer.mul_(scale)   # the gradients are already in the bucket
-            else:
-                for p, view in zip(bk.params, bk.views):  # copy in AND scale: one pass over memory
-                    torch.mul(p.grad, scale, out=view) if p.grad is not None else view.zero_()
+            self._pack(bk)
             bk.handle = comm.all_reduce(bk.buffer, group=self.process_group, async_op=True)
             self._next_bucket += 1
 
-    # -- backward: the end ---------------------------------------------------------
+    def _pack(self, bk: Bucket) -> None:
+        """Gradients into the flat buffer, each divided by N: the sum of the grad / N is the average
+        (torch's reducer divides first too). Copy and scale in one pass over memory."""
+        for p, view in zip(bk.params, bk.views):
+            torch.mul(p.grad, 1.0 / self._world, out=view) if p.grad is not None else view.zero_()
+
+    # -- backward: the end -----------------------------------------------------------
     @torch.no_grad()
     def _finalize_backward(self) -> None:
         """Runs once when autograd has finished the backward pass (queued by the first hook)."""
@@ -467,27 +413,153 @@ class DistributedDataParallel(nn.Module):
             tracer.add_span("ddp.backward", trace.COMPUTE, self._backward_start, time.perf_counter())
         try:
             with trace.span("ddp.wait", buckets=len(self.buckets)):
-                globally_unused = self._complete_buckets()
+                self._complete_buckets()
                 for bk in self.buckets:
                     bk.handle.wait()
-                self._copy_back(globally_unused)
-            self._locally_used = [False] * len(self._params)
+                self._copy_back()
         finally:
             self._reset_backward_state()
 
-    def _complete_buckets(self) -> set[int]:
-        """Deal with parameters that got no gradient; return those unused on every rank."""
-        missing = [i for i, r in enumerate(self._ready) if not r]
-        if missing and not self.find_unused_parameters:
+    def _complete_buckets(self) -> None:
+        """Every parameter must have had its gradient: otherwise its bucket was never sent."""
+        missing = [self._names[i] for i, r in enumerate(self._ready) if not r]
+        if missing:
             self._abort()
-            names = [self._names[i] for i in missing]
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-            raise RuntimeError(f"DistributedDataParallel: parameter(s) {shown} received no gradient in this "
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RuntimeError(f"{type(self).__name__}: parameter(s) {shown} received no gradient in this "
                                "backward, so their buckets could never be all-reduced; pass "
                                "find_unused_parameters=True to DistributedDataParallel (or make every "
                                "parameter take part in the loss, or set requires_grad=False on it)")
+
+    def _copy_back(self) -> None:
+        """Averaged bucket contents -> ``p.grad`` (one fused copy for the gradients that exist)."""
+        dst, src = [], []
+        for p, view in zip(self._params, self._views):
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                dst.append(p.grad)
+                src.append(view)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _abort(self) -> None:
+        """Before raising: let the collectives already started finish, then forget this backward,
+        so that the wrapper still works after the error is fixed (a notebook keeps it)."""
+        for bk in self.buckets:
+            if bk.handle is not None:
+                bk.handle.wait()
+        self._reset_backward_state()
+
+
+# ==========================================================================
+# 4. torch compatibility: torch's signature and the options built on the core
+# ==========================================================================
+class DistributedDataParallel(BucketedDataParallel):
+    """``BucketedDataParallel`` with the arguments of the installed ``torch.nn.parallel.DistributedDataParallel``.
+
+    Same parameters, order and defaults (a positional argument lands in
+    torch's slot, ``process_group`` included; tests/test_ddp.py compares the
+    signatures). What each does here:
+
+    * ``device_ids`` - ``None`` for CPU modules; ``[i]`` (or ``None``) for a module on ``cuda:i``.
+      ``output_device``, ``dim`` - outputs are not moved (``dim`` must be 0).
+    * ``broadcast_buffers`` (deprecated in torch 2.13, as here) / ``forward_sync_buffers`` -
+      broadcast rank 0's buffers before every forward (e.g. BatchNorm stats). As in torch,
+      ``broadcast_buffers=False`` also leaves the buffers out of the broadcast at wrap time;
+      ``forward_sync_buffers=False`` does not.
+    * ``init_sync=False`` - no shape check and no broadcast at wrap time (ranks must already agree).
+    * ``bucket_cap_mb`` - see ``bucket_assignment``; ``None``: 25 MiB with a 1 MiB first bucket.
+    * ``find_unused_parameters`` - parameters without a gradient are marked ready at the end of
+      backward (their slot holds ``p.grad`` or zeros), and one small all-reduce of "used" flags
+      tells which were unused on *every* rank: their ``.grad`` is left untouched (``None`` stays
+      ``None``), as torch does. That flag all-reduce (4 bytes x 2 per parameter tensor) is the
+      only traffic beyond 2Ψ. If only *some* ranks miss a gradient without this option, those
+      ranks raise and the others wait in vain: under ``launch`` the error still surfaces.
+    * ``gradient_as_bucket_view`` - ``p.grad`` *is* the bucket slice: no copy in or out, one
+      gradient-sized buffer saved.
+    * ``device_mesh`` - a 1-D mesh; its group is the process group.
+    * ``static_graph``, ``batched_grad_copy`` - accepted; they change nothing here (there is no
+      graph search to skip, and gradients are already copied in one pass per bucket).
+      ``check_reduction`` - deprecated in torch; warns like torch.
+    * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``,
+      ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list`` - raise ``NotImplementedError``
+      saying why.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: ProcessGroup | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None,
+                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[int] | None = None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None):
+        _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                            bucket_cap_mb_list=bucket_cap_mb_list)
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                          "Please avoid using it.", FutureWarning, stacklevel=2)
+        process_group = _group_of(process_group, device_mesh)
+        _check_devices(module, device_ids, output_device, dim)
+        forward_sync, self._init_sync_buffers = _buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
+        self._init_sync = init_sync
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        super().__init__(module, process_group, bucket_cap_mb)
+        self.forward_sync_buffers = forward_sync
+        self.device_ids, self.output_device, self.dim = device_ids, output_device, dim
+        self.static_graph = static_graph
+        self._locally_used = [False] * len(self._params)   # since the last sync (find_unused only)
+        self._globally_unused: set[int] = set()
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch 2.13's deprecated name for ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    def _sync_module_states(self) -> None:
+        if not self._init_sync:
+            return  # the user vouches that every rank already holds the same model
+        _check_same_model_everywhere(self._params, self.process_group, type(self).__name__)
+        buffers = self._module_buffers if self._init_sync_buffers else []
+        broadcast_coalesced(list(self.module.parameters()) + buffers, _group_src(self.process_group),
+                            self.process_group)
+
+    # -- find_unused_parameters and gradient_as_bucket_view, on the core's hooks ------
+    def _grad_ready(self, param: torch.Tensor, i: int) -> None:
+        if self.find_unused_parameters:
+            self._locally_used[i] = True
+        if self.gradient_as_bucket_view and self._armed and not self._ready[i]:
+            self._grad_into_view(param, self._views[i])
+        super()._grad_ready(param, i)
+
+    @staticmethod
+    @torch.no_grad()
+    def _grad_into_view(p: torch.Tensor, view: torch.Tensor) -> None:
+        """gradient_as_bucket_view: make ``p.grad`` the bucket slice (after zero_grad(set_to_none) it is new)."""
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _pack(self, bk: Bucket) -> None:
+        if not self.gradient_as_bucket_view:
+            return super()._pack(bk)
+        if self._world > 1:
+            bk.buffer.mul_(1.0 / self._world)  # the gradients are already in the bucket
+
+    def _complete_buckets(self) -> None:
+        """With find_unused_parameters: send the incomplete buckets, then learn which were unused everywhere."""
+        self._globally_unused = set()
         if not self.find_unused_parameters:
-            return set()
+            return super()._complete_buckets()
+        missing = [i for i, r in enumerate(self._ready) if not r]
         for i in missing:  # ready now: their slot holds p.grad (from no_sync steps) or zeros
             p, view = self._params[i], self._views[i]
             if self.gradient_as_bucket_view:
@@ -499,13 +571,15 @@ class DistributedDataParallel(nn.Module):
         self._launch_ready_buckets()
         used = torch.tensor(self._locally_used, dtype=torch.int32, device=self._params[0].device)
         comm.all_reduce(used, group=self.process_group)  # how many ranks used each parameter
-        return {i for i, count in enumerate(used.tolist()) if count == 0}
+        self._globally_unused = {i for i, count in enumerate(used.tolist()) if count == 0}
+        self._locally_used = [False] * len(self._params)
 
-    def _copy_back(self, globally_unused: set[int]) -> None:
-        """Averaged bucket contents -> ``p.grad`` (one fused copy when all grads exist)."""
+    def _copy_back(self) -> None:
+        if not (self.find_unused_parameters or self.gradient_as_bucket_view):
+            return super()._copy_back()
         dst, src = [], []
         for i, (p, view) in enumerate(zip(self._params, self._views)):
-            if i in globally_unused:
+            if i in self._globally_unused:
                 continue  # torch leaves the .grad of a parameter no rank used untouched
             if self.gradient_as_bucket_view or p.grad is None:
                 p.grad = view if self.gradient_as_bucket_view else view.clone()
@@ -514,3 +588,66 @@ class DistributedDataParallel(nn.Module):
                 src.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+_UNSUPPORTED = {
+    "delay_all_reduce_named_params": "delaying chosen parameters' all-reduce to another parameter's hook",
+    "param_to_hook_all_reduce": "delaying chosen parameters' all-reduce to another parameter's hook",
+    "mixed_precision": "DDP's private _MixedPrecision (use minifsdp.mixed_precision with autocast instead)",
+    "skip_all_reduce_unused_params": "skipping unused parameters' all-reduce (find_unused_parameters=True "
+                                     "reduces them)",
+    "bucket_cap_mb_list": "a size per bucket (bucket_cap_mb sets one size for all)",
+}
+
+
+def _reject_unsupported(**given: Any) -> None:
+    for name, value in given.items():
+        if value not in (None, False):
+            raise NotImplementedError(f"DistributedDataParallel({name}=...) is not implemented in minifsdp: "
+                                      f"{_UNSUPPORTED[name]}; leave it at its default")
+
+
+def _group_of(process_group: ProcessGroup | None, device_mesh: Any) -> ProcessGroup | None:
+    """torch's rule: a 1-D ``device_mesh`` gives the group; not both."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError("DistributedDataParallel: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"DistributedDataParallel: only a 1-D device mesh is supported, got {device_mesh}; "
+                           "pass device_mesh[dim_name] for the data-parallel dimension")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """torch 2.13's rule: ``(sync buffers before each forward, include buffers in the wrap-time broadcast)``."""
+    if broadcast_buffers is not None:
+        warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                      "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init."
+                      if forward_sync_buffers is None else
+                      "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` "
+                      "is deprecated and its value is ignored when `forward_sync_buffers` is provided.",
+                      FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = broadcast_buffers if broadcast_buffers is not None else True
+    return effective, effective
+
+
+def _check_devices(module: nn.Module, device_ids: list | None, output_device: Any, dim: int) -> None:
+    devices = {p.device for p in module.parameters() if p.requires_grad}
+    if len(devices) > 1:
+        raise ValueError(f"DistributedDataParallel: parameters live on several devices {sorted(map(str, devices))}; "
+                         "move the whole module to one device (dist.device()) first")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cpu" and (device_ids or output_device is not None):
+        raise ValueError(f"DistributedDataParallel: device_ids must be None for a module on the CPU (got "
+                         f"device_ids={device_ids}, output_device={output_device}); pass device_ids=None")
+    if device_ids:
+        wanted = [torch.device(device.type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+        if wanted != [device]:
+            raise ValueError(f"DistributedDataParallel: device_ids={device_ids} does not match the module's "
+                             f"device {device}; pass device_ids=[{device.index}] or None")
+    if dim != 0:
+        raise ValueError(f"DistributedDataParallel: dim={dim} is not supported (no scatter of inputs here); "
+                         "split the batch yourself and pass dim=0")

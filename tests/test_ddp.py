@@ -430,3 +430,72 @@ def test_outside_process_group_names_the_fix():
         DistributedDataParallel(nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="inside minifsdp.launch"):
         NaiveDataParallel(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------
+# torch's signature and construction semantics
+# ---------------------------------------------------------------------------
+def test_signature_matches_installed_torch_parameter_by_parameter():
+    import inspect
+    ours = list(inspect.signature(DistributedDataParallel).parameters.values())
+    theirs = list(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters.values())
+    assert [p.name for p in ours] == [p.name for p in theirs]
+    for a, b in zip(ours, theirs):
+        assert (a.name, a.kind, a.default) == (b.name, b.kind, b.default)
+
+
+def _construction(lib: str, case: str):
+    """Wrap a module whose parameters AND buffers differ per rank; report what each rank holds after
+    wrapping and after one forward in which the buffers drifted again."""
+    import warnings
+    r = tdist.get_rank()
+    DDP = torch.nn.parallel.DistributedDataParallel if lib == "torch" else DistributedDataParallel
+    module = _WithBuffer(float(r))
+    with torch.no_grad():
+        module.lin.weight.fill_(r + 1.0)
+    kwargs = {"default": {}, "broadcast_buffers=False": {"broadcast_buffers": False},
+              "forward_sync_buffers=False": {"forward_sync_buffers": False},
+              "init_sync=False": {"init_sync": False}}.get(case)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case == "positional process_group":  # slot 7, as torch: here each rank alone in its group
+            groups = [tdist.new_group([0]), tdist.new_group([1])]
+            model = DDP(module, None, None, 0, None, True, groups[r])
+        else:
+            model = DDP(module, **kwargs)
+    at_wrap = (module.stat.clone(), module.lin.weight.clone())
+    module.stat.fill_(10.0 + r)
+    model(torch.ones(1, 2)).sum().backward()
+    return {"at_wrap": at_wrap, "after_forward": module.stat.clone(),
+            "warnings": sorted({str(w.category.__name__) for w in caught if "buffers" in str(w.message)}),
+            "broadcast_buffers": model.broadcast_buffers}
+
+
+@pytest.mark.parametrize("case", ["default", "broadcast_buffers=False", "forward_sync_buffers=False",
+                                  "init_sync=False", "positional process_group"])
+def test_construction_matches_torch(case):
+    ours = launch(_construction, 2, "minifsdp", case, timeout=60)
+    theirs = launch(_construction, 2, "torch", case, timeout=60)
+    for r in range(2):
+        for a, b in zip(ours[r]["at_wrap"], theirs[r]["at_wrap"]):
+            assert torch.equal(a, b), (case, r)
+        assert torch.equal(ours[r]["after_forward"], theirs[r]["after_forward"]), (case, r)
+        assert ours[r]["warnings"] == theirs[r]["warnings"] and ours[r]["broadcast_buffers"] == theirs[r][
+            "broadcast_buffers"], (case, r)
+    if case == "broadcast_buffers=False":  # what it means: rank 1 keeps its buffers at wrap AND after forward
+        assert torch.equal(ours[1]["at_wrap"][0], torch.full((3,), 1.0))
+        assert torch.equal(ours[1]["after_forward"], torch.full((3,), 11.0))
+
+
+def _unsupported(option: str):
+    kwargs = {"mixed_precision": object(), "bucket_cap_mb_list": [1, 2], "skip_all_reduce_unused_params": True,
+              "delay_all_reduce_named_params": [("w", None)]}
+    DistributedDataParallel(nn.Linear(2, 2), **{option: kwargs[option]})
+
+
+@pytest.mark.parametrize("option", ["mixed_precision", "bucket_cap_mb_list", "skip_all_reduce_unused_params",
+                                    "delay_all_reduce_named_params"])
+def test_unsupported_torch_options_say_why(option):
+    with pytest.raises(WorkerError, match=f"NotImplementedError: DistributedDataParallel\\({option}=...\\) is not "
+                                          "implemented in minifsdp: .*; leave it at its default"):
+        launch(_unsupported, 1, option, timeout=60)
