@@ -293,7 +293,9 @@ explore("interleaved", p=4, m=8, v=2)
 # Start from 1F1B with each `B` replaced by `I`; every `I` now owes a `W` of the same
 # micro-batch. Place the W's so that the bubble is below 1F1B's while no rank holds more
 # micro-batches than 1F1B's rank 0 does (p): a micro-batch's activations are freed by
-# its W. Target: ZB-H1's (p-1)/(3m+p-1), a third of 1F1B's.
+# its W. Target, for m >= p: ZB-H1's (p-1)/(3m+p-1), a third of 1F1B's. (Running each W
+# right after its I already helps a little - the previous stage gets I sooner - but
+# fills no idle slot.)
 
 # %%
 def my_zero_bubble(p: int, m: int) -> dict[int, list[str]]:

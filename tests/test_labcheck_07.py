@@ -1,0 +1,65 @@
+"""The checks of lab 07 (minifsdp.labcheck.lab07) judge the learner's code.
+
+Each check passes with the solution (solutions/src/07_pipeline_parallel.py, its
+exercise cells exec'd as a notebook runs them), and fails with one sentence on
+the blank lab, on the library's own function, and on two typical mistakes each
+(the solution with one small edit).
+"""
+from __future__ import annotations
+
+from minifsdp import pipeline
+from minifsdp.labcheck import lab07
+from test_labcheck_00_02 import edits_apply, fails, load
+
+L07 = "07_pipeline_parallel"
+
+COUNTS_STEP_SPAN = (("if s.name in PIPELINE_WORK]", "if s.kind == \"compute\"]"),)
+ONE_RANK_WINDOW = (("min(s.start for s in work)) * len(traces)", "min(s.start for s in work))"),)
+LONG_WARMUP = (("        w = min(p - 1 - r, m)\n        acts = [f\"{r}F{i}\" for i in range(w)]\n        for i",
+                "        w = min(p - r, m)\n        acts = [f\"{r}F{i}\" for i in range(w)]\n        for i"),)
+BACKWARD_FIRST = (("acts += [f\"{r}F{w + i}\", f\"{r}B{i}\"]", "acts += [f\"{r}B{i}\", f\"{r}F{w + i}\"]"),)
+W_RIGHT_AFTER_I = (("acts += group + ([f\"{r}W{i - r}\"] if i >= r else [])", "acts += group + [f\"{r}W{i}\"]"),
+                   ("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"))
+W_FORGOTTEN = (("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"),)
+
+
+def test_mistakes_still_match_the_solution():
+    for edits in (COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, W_RIGHT_AFTER_I, W_FORGOTTEN):
+        edits_apply(L07, edits)
+
+
+def test_solution_passes_every_check(capsys):
+    ns = load(L07)
+    lab07.measured_bubble(ns["my_measured_bubble"])
+    lab07.one_f_one_b(ns["my_1f1b"])
+    lab07.zero_bubble(ns["my_zero_bubble"])
+    out = capsys.readouterr().out
+    assert out.count("✅") == 3 and "yours" in out and "target" in out and "library" in out
+
+
+def test_blank_lab_fails_every_check():
+    ns = load(L07, blank=True)
+    fails(lab07.measured_bubble, ns["my_measured_bubble"], words="not written yet")
+    fails(lab07.one_f_one_b, ns["my_1f1b"], words="not written yet")
+    fails(lab07.zero_bubble, ns["my_zero_bubble"], words="not written yet")
+
+
+def test_measured_bubble_mistakes():
+    fails(lab07.measured_bubble, load(L07, edits=COUNTS_STEP_SPAN)["my_measured_bubble"], words="'step' span")
+    fails(lab07.measured_bubble, load(L07, edits=ONE_RANK_WINDOW)["my_measured_bubble"],
+          words="times the number of ranks")
+    fails(lab07.measured_bubble, pipeline.measured_bubble, words="library")
+
+
+def test_one_f_one_b_mistakes():
+    fails(lab07.one_f_one_b, load(L07, edits=LONG_WARMUP)["my_1f1b"], words="1F1B at most p - r")
+    fails(lab07.one_f_one_b, load(L07, edits=BACKWARD_FIRST)["my_1f1b"],
+          words="a backward needs the activations its forward saved")
+    fails(lab07.one_f_one_b, pipeline.one_f_one_b, words="library")
+
+
+def test_zero_bubble_mistakes():
+    fails(lab07.zero_bubble, load(L07, edits=W_RIGHT_AFTER_I)["my_zero_bubble"], words="fills no idle slot")
+    fails(lab07.zero_bubble, load(L07, edits=W_FORGOTTEN)["my_zero_bubble"],
+          words="never runs the weight-gradient backward")
+    fails(lab07.zero_bubble, load(L07)["my_1f1b"], words="split every backward B into I")
