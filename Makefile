@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 demo: $(VENV)/.installed
 	$(PY) -m minifsdp.demo
 
+# Rooted at the repository: the file browser reaches labs/ (exercises, README) and solutions/ (solved).
 lab: $(VENV)/.installed
-	$(PY) -m jupyter lab labs/ $(ROOT_FLAG)
+	$(PY) -m jupyter lab --ServerApp.root_dir=. $(ROOT_FLAG)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

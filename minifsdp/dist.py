@@ -56,8 +56,13 @@ def backend() -> str:
     return str(tdist.get_backend()) if is_initialized() else default_backend()
 
 
+_device_override: torch.device | None = None  # set by fake_gpu.pretend_gpu() while it checks device discipline
+
+
 def device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available (and the backend can use it), else ``cpu``."""
+    if _device_override is not None:
+        return _device_override
     if torch.cuda.is_available() and backend() != "gloo":
         return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")

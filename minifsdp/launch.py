@@ -59,7 +59,7 @@ import cloudpickle
 import torch
 import torch.distributed as tdist
 
-from . import dist
+from . import dist, fake_gpu
 
 __all__ = ["launch", "LaunchError", "WorkerError", "LaunchTimeout", "max_world_size"]
 
@@ -129,13 +129,13 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(rank: int, world_size: int, payload: bytes, store_path: str,
                  backend: str, timeout_s: float, threads: int, parent_pid: int,
-                 results: "mp.Queue", stack_file: str) -> None:
+                 results: "mp.Queue", stack_file: str, pretend_gpu: bool = False) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     # Where is this rank stuck? Dump every thread's stack just before the deadline.
     with open(stack_file, "w") as stack_out:
         faulthandler.dump_traceback_later(max(timeout_s - 0.5, 0.1), exit=False, file=stack_out)
         try:
-            outcome = _run_rank(rank, world_size, payload, store_path, backend, timeout_s, threads)
+            outcome = _run_rank(rank, world_size, payload, store_path, backend, timeout_s, threads, pretend_gpu)
         finally:
             faulthandler.cancel_dump_traceback_later()
     results.put(outcome)
@@ -144,7 +144,7 @@ def _worker_main(rank: int, world_size: int, payload: bytes, store_path: str,
 
 
 def _run_rank(rank: int, world_size: int, payload: bytes, store_path: str,
-              backend: str, timeout_s: float, threads: int) -> tuple:
+              backend: str, timeout_s: float, threads: int, pretend_gpu: bool = False) -> tuple:
     # torchrun's variables, so code that asks "am I under torchrun?" (train._under_torchrun,
     # dist.init) finds the group already made. No MASTER_PORT: the rendezvous is the FileStore.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -160,7 +160,9 @@ def _run_rank(rank: int, world_size: int, payload: bytes, store_path: str,
         # each rank was) fires before a collective's own timeout does.
         tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout_s + 10))
-        result = fn(*args, **kwargs)
+        # MINIFSDP_FAKE_GPU=1: run as if on a GPU, every collective checking its tensors' device (fake_gpu.py).
+        with fake_gpu.pretend_gpu() if pretend_gpu else contextlib.nullcontext():
+            result = fn(*args, **kwargs)
         tdist.barrier()  # nobody tears the group down while a peer still talks to it
         tdist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report *everything* to the parent
@@ -268,7 +270,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     stack_files = [os.path.join(run_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_worker_main, name=f"minifsdp-rank{r}", daemon=True,
                          args=(r, world_size, payload, os.path.join(run_dir, "store"), backend,
-                               timeout, threads, os.getpid(), results, stack_files[r]))
+                               timeout, threads, os.getpid(), results, stack_files[r],
+                               fake_gpu.enabled()))  # read here: the forkserver's environment is older
              for r in range(world_size)]
     try:
         with _main_not_reimported():
@@ -378,7 +381,7 @@ def _user_frame(tb: str) -> str:
     """'in fn, line N' of the innermost frame outside launch/multiprocessing/torch ('' if none)."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
     mine = [(f, ln, fn) for f, ln, fn in frames
-            if not any(x in f for x in ("minifsdp/launch.py", "/multiprocessing/", "/torch/", "site-packages"))]
+            if not any(x in f for x in ("/minifsdp/", "/multiprocessing/", "/torch/", "site-packages"))]
     if not mine:
         return ""
     f, ln, fn = mine[-1]

@@ -5,7 +5,9 @@ Nothing here starts a kernel; running notebooks is tests/test_notebooks.py.
 """
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -260,3 +262,58 @@ def test_repo_notebook_conventions(stem: str) -> None:
     nb = nbformat.read(path, as_version=4)
     assert nbt.lint_notebook(nb, f"solutions/{stem}.ipynb") == []
     assert any(nbt.is_exercise(c) for c in nb.cells), f"{path} has no exercise"
+
+
+# ---------------------------------------------------------------- no answer outside the exercises (LAB-GUIDE §1, §2)
+# Code, as opposed to prose that names an API: a dotted call with arguments (comm.broadcast(p, src=0)),
+# an assignment from a call (loss = models.lm_loss(...)), or a for-loop header over a call.
+_CODE_IN_HINT = re.compile(r"\b\w+(\.\w+)+\([^)]*[,=][^)]*\)|\b\w+ = [\w.]+\(|\bfor \w+ in [\w.]+\(")
+
+
+def _exercise_names(nb: nbformat.NotebookNode) -> set[str]:
+    """Top-level functions and classes of exercise cells that hold an exercise block (what the learner writes)."""
+    names = set()
+    for cell in nb.cells:
+        if nbt.is_exercise(cell):
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and \
+                        "BEGIN SOLUTION" in (ast.get_source_segment(cell.source, node) or ""):
+                    names.add(node.name)
+    return names
+
+
+@pytest.mark.parametrize("text, code", [
+    ("sum its gradient over ranks and divide by the world size", False),
+    ("comm.broadcast(p.data, src=0) under torch.no_grad()", True),
+    ("loss = models.lm_loss(model(x), y) / k", True),
+    ("for p in model.parameters(): ...", True),
+    ("the last micro-batch runs outside the model's no_sync context", False),
+    ("(numel times element size) of B*T*d values", False),
+    ("Busy = the sum of their durations; unpack(i) returns the tensor", False),
+])
+def test_code_in_hint_detection(text: str, code: bool) -> None:
+    assert bool(_CODE_IN_HINT.search(text)) is code
+
+
+@pytest.mark.parametrize("stem", REAL)
+def test_repo_hints_are_concepts_not_code(stem: str) -> None:
+    """A hint (the stub's message) teaches the idea; it never spells the code (LAB-GUIDE §1)."""
+    nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    for index, cell in enumerate(nb.cells, start=1):
+        if nbt.is_exercise(cell):
+            for hint in nbt.make_lab_source(cell.source, stem, index)[1]:
+                found = _CODE_IN_HINT.search(hint)
+                assert not found, f"{stem}, cell {index}: the hint spells code ({found.group(0)!r}): {hint}"
+
+
+@pytest.mark.parametrize("stem", REAL)
+def test_repo_no_second_definition_of_an_exercise(stem: str) -> None:
+    """No cell outside the exercises defines (again) what an exercise asks the learner to write."""
+    nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    names = _exercise_names(nb)
+    for index, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type != "code" or nbt.is_exercise(cell):
+            continue
+        tree = nbt._parse_cell(cell.source)
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} if tree else set()
+        assert not defined & names, f"{stem}, cell {index} defines {sorted(defined & names)}, an exercise's answer"

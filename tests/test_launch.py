@@ -151,3 +151,51 @@ def test_unpicklable_argument():
 
     with pytest.raises(minifsdp.LaunchError, match="pass picklable arguments"):
         launch(f, 1, threading.Lock())
+
+
+# ---------------------------------------------------------------- world size on a machine with fewer GPUs
+@pytest.fixture()
+def two_gpu_machine(monkeypatch):
+    """Pretend CUDA is available with 2 devices (nothing here touches a real GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_lab_world_size_adapts_to_gpus(two_gpu_machine, capsys):
+    assert dist.default_backend() == "nccl"
+    assert dist.lab_world_size(4) == 2
+    assert "this machine has 2 GPU(s): running 2 rank(s) instead of 4" in capsys.readouterr().out
+    assert dist.lab_world_size(2) == 2 and dist.lab_world_size(1) == 1
+    assert dist.lab_world_size(4, backend="gloo") == 4  # CPU ranks when asked
+
+
+def test_launch_more_ranks_than_gpus_names_the_fix(two_gpu_machine):
+    with pytest.raises(ValueError) as info:
+        launch(_rank_info, 4, 0)  # refused before any process starts: no NCCL on this machine is needed
+    message = str(info.value)
+    assert "needs 4 GPUs" in message and "has 2" in message
+    assert "dist.lab_world_size(4)" in message and "backend='gloo'" in message
+
+
+def test_no_gpu_visible_with_nccl_is_explained(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no visible GPU"):
+        dist.lab_world_size(4, backend="nccl")
+
+
+def _stub_on_every_rank():
+    raise NotImplementedError("Exercise: write the ring, then run the check cell below.")
+
+
+def test_unfinished_exercise_is_one_short_message():
+    """The hint once, which ranks, no library frames; each rank's traceback one attribute away."""
+    with pytest.raises(WorkerError) as info:
+        launch(_stub_on_every_rank, 4, timeout=60)
+    err = info.value
+    text = str(err)
+    assert text.count("write the ring") == 1 and text.startswith("ranks 0-3 failed: NotImplementedError")
+    assert "_stub_on_every_rank" in text.splitlines()[0]  # where, in the learner's code
+    assert "minifsdp/launch.py" not in text and "Traceback" not in text and len(text.splitlines()) == 2
+    assert err.ranks == [0, 1, 2, 3] and set(err.tracebacks) == {0, 1, 2, 3}
+    assert "Traceback" in err.tracebacks[2] and "_stub_on_every_rank" in err.tracebacks[2]
+    assert err._render_traceback_() == [f"WorkerError: {text}"]  # what Jupyter shows instead of frames

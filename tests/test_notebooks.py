@@ -5,7 +5,11 @@
   and traceback; cells marked ``# NBVAL_CHECK_OUTPUT`` run twice and must
   print the same text;
 * every labs/NN.ipynb runs cleanly up to its first exercise, which must stop
-  with the exercise's ``NotImplementedError`` stub.
+  with the exercise's ``NotImplementedError`` stub; then every other cell runs
+  too, and every check cell must fail (no reference implementation outside the
+  exercises);
+* every solution runs again with ``MINIFSDP_FAKE_GPU=1`` (device discipline:
+  no worker hands a CPU tensor to a collective; see minifsdp/fake_gpu.py).
 
 ``make test`` executes the solutions with ``pytest --nbval-lax`` (pyproject's
 testpaths include solutions/), so the nbclient run of the solutions here, which
@@ -115,6 +119,33 @@ def test_lab_must_not_fail_before_its_exercise(tmp_path: Path) -> None:
                     tmp_path / "solutions" / "03_broken.ipynb", ROOT)
 
 
+REFERENCE_IN_CHECK = """\
+# %% [markdown]
+# # A check that does not run the learner's code
+
+# %%
+def double(x):
+    # BEGIN SOLUTION
+    # HINT: twice x.
+    return 2 * x
+    # END SOLUTION
+
+# %%
+# CHECK: computes the answer itself (a reference implementation outside the exercise)
+reference = lambda x: 2 * x
+assert reference(2) == 4, "double(2) should be 4"
+"""
+
+
+def test_blank_lab_catches_a_check_that_passes_without_the_exercise(tmp_path: Path) -> None:
+    build(tmp_path, {"05_ref.py": REFERENCE_IN_CHECK})
+    with pytest.raises(runner.NotebookRunError, match=r"check cell\(s\) \[3\] passed although no exercise"):
+        runner.run_blank_lab(tmp_path / "labs" / "05_ref.ipynb", tmp_path / "solutions" / "05_ref.ipynb", ROOT)
+    build(tmp_path, {"06_ok.py": REFERENCE_IN_CHECK.replace("assert reference(2)", "assert double(2)")})
+    assert "all 1 check cells fail" in runner.run_blank_lab(
+        tmp_path / "labs" / "06_ok.ipynb", tmp_path / "solutions" / "06_ok.ipynb", ROOT)
+
+
 def test_nondeterministic_checked_output_is_caught(tmp_path: Path) -> None:
     build(tmp_path, {"04_random.py": "# %% [markdown]\n# # Random\n\n# %%\n"
                                      "# NBVAL_CHECK_OUTPUT\nimport random\nprint(random.random())\n"})
@@ -134,10 +165,24 @@ def test_solution_notebook_runs(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
-def test_lab_runs_until_first_exercise(path: Path) -> None:
+def test_blank_lab_every_check_fails(path: Path) -> None:
+    """Every cell of labs/NN.ipynb runs with the exercises unwritten: the first exercise stops with its
+    hint, and EVERY check cell fails. A check passing on the blank lab would mean that a cell outside
+    the exercises holds a reference implementation, or that the check does not run the learner's code."""
     lab = ROOT / "labs" / path.name
     assert lab.exists(), f"{lab} is missing; run: python tools/make_labs.py"
     try:
-        runner.run_lab(lab, path, ROOT)
+        runner.run_blank_lab(lab, path, ROOT)
+    except runner.NotebookRunError as err:
+        pytest.fail(str(err), pytrace=False)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
+def test_solution_device_discipline(path: Path) -> None:
+    """Every solution runs end to end with MINIFSDP_FAKE_GPU=1: each launched worker runs on a pretend
+    GPU (minifsdp/fake_gpu.py) and every collective checks that its tensors are on dist.device(), so a
+    worker that would hand a CPU tensor to NCCL on a GPU VM fails here, on a CPU-only machine."""
+    try:
+        runner.run_solution(path, ROOT, env={"MINIFSDP_FAKE_GPU": "1"}, recheck_marked=False)
     except runner.NotebookRunError as err:
         pytest.fail(str(err), pytrace=False)

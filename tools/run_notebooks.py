@@ -59,9 +59,9 @@ class CellError:
                 f"----- traceback -----\n{self.traceback}")
 
 
-def kernel_env(root: Path) -> dict[str, str]:
-    """The environment for a notebook kernel: ours, plus the repo root on PYTHONPATH."""
-    env = dict(os.environ)
+def kernel_env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a notebook kernel: ours, plus the repo root on PYTHONPATH (and ``extra``)."""
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     return env
@@ -87,8 +87,8 @@ def _text_outputs(cell: NotebookNode) -> list[str]:
     return texts
 
 
-def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT,
-                  recheck_marked: bool = False) -> Iterator[tuple[int, CellError | None]]:
+def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_marked: bool = False,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[int, CellError | None]]:
     """Run a notebook's code cells in order, yielding (cell number, error or None).
 
     Stop early by breaking out of the loop: the kernel is shut down either way.
@@ -102,7 +102,7 @@ def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT,
     client = NotebookClient(nb, timeout=timeout, kernel_name=nbt.KERNEL, allow_errors=False)
     client.km = client.create_kernel_manager()
     client.km.shutdown_wait_time = 2.0  # ipykernel sometimes lingers ~3 s after shutdown
-    with client.setup_kernel(env=kernel_env(root), cwd=str(path.parent)):
+    with client.setup_kernel(env=kernel_env(root, env), cwd=str(path.parent)):
         for index, cell in enumerate(nb.cells, start=1):
             if cell.cell_type != "code":
                 continue
@@ -132,10 +132,15 @@ def _run(client, cell: NotebookNode, index: int, errors: tuple) -> CellError | N
         return CellError(index, cell.source, ename, _ANSI.sub("", evalue), _ANSI.sub("", tb))
 
 
-def run_solution(path: Path, root: Path, timeout: int = CELL_TIMEOUT) -> int:
-    """Run every cell; raise NotebookRunError at the first failure. Returns cells run."""
+def run_solution(path: Path, root: Path, timeout: int = CELL_TIMEOUT, env: dict[str, str] | None = None,
+                 recheck_marked: bool = True) -> int:
+    """Run every cell; raise NotebookRunError at the first failure. Returns cells run.
+
+    ``env``: extra variables for the kernel, e.g. ``{"MINIFSDP_FAKE_GPU": "1"}`` to run every
+    ``launch``ed worker on a pretend GPU (minifsdp/fake_gpu.py: device discipline).
+    """
     count = 0
-    with contextlib.closing(execute_cells(path, root, timeout, recheck_marked=True)) as cells:
+    with contextlib.closing(execute_cells(path, root, timeout, recheck_marked, env)) as cells:
         for _, error in cells:
             if error is not None:
                 raise NotebookRunError(error.report(path))
@@ -174,6 +179,49 @@ def run_lab(lab: Path, solution: Path, root: Path, timeout: int = CELL_TIMEOUT) 
     raise NotebookRunError(f"{lab}: neither exercise cell {target} nor the check cell after "
                            "it raised the stub's NotImplementedError; is the lab stale? "
                            "Run: python tools/make_labs.py")
+
+
+def check_cells(nb: NotebookNode) -> list[int]:
+    """1-based indices of the check cells: the code cell right after each exercise cell."""
+    code = [i for i, c in enumerate(nb.cells, start=1) if c.cell_type == "code"]
+    return [code[k + 1] for k, i in enumerate(code[:-1]) if nbt.is_exercise(nb.cells[i - 1])]
+
+
+def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = CELL_TIMEOUT) -> str:
+    """Run EVERY cell of a lab (exercises unwritten); every check cell must fail.
+
+    The proof that no cell outside the exercises holds a reference implementation:
+    if one did (a solution left in a helper cell, a check that computes the answer
+    itself instead of calling the learner's code), some check would pass on the
+    blank lab. Cells before the first exercise must run cleanly; other cells may
+    fail (they use what the learner has not written yet).
+    """
+    sol = nbformat.read(solution, as_version=4)
+    checks = check_cells(sol)
+    exercises = [i for i, c in enumerate(sol.cells, start=1) if nbt.is_exercise(c)]
+    if not exercises:
+        return f"{lab}: no exercise"
+    target = exercises[0]
+    hints = nbt.make_lab_source(sol.cells[target - 1].source, str(solution), target)[1]
+    passed_checks, first_stop = [], None
+    with contextlib.closing(execute_cells(lab, root, timeout)) as cells:
+        for index, error in cells:
+            if index < target and error is not None:
+                raise NotebookRunError(error.report(lab, "failed before the first exercise"))
+            if error is not None and first_stop is None:
+                first_stop = error
+            if index in checks and error is None:
+                passed_checks.append(index)
+    if passed_checks:
+        raise NotebookRunError(
+            f"{lab}: check cell(s) {passed_checks} passed although no exercise is written: a cell outside the "
+            "exercises holds a reference implementation, or the check does not run the learner's code")
+    text = f"{first_stop.ename}: {first_stop.evalue}\n{first_stop.traceback}" if first_stop else ""
+    if not ("NotImplementedError" in text and any(h in text for h in hints)):
+        raise NotebookRunError(f"{lab}: the first exercise (cell {target}) or its check did not stop with the "
+                               "exercise's NotImplementedError hint; is the lab stale? Run: python tools/make_labs.py"
+                               + (f"\nfirst error: {first_stop.report(lab)}" if first_stop else ""))
+    return f"{lab}: all {len(checks)} check cells fail on the blank lab"
 
 
 def main(argv: list[str] | None = None) -> int:

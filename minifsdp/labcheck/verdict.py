@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dis
 import inspect
+import json
+import re
 import types
 from typing import Any, Callable
 
@@ -58,11 +60,19 @@ def figures(label: str, yours: Any, target: Any, library: Any = None, unit: str 
 
 def not_implemented(fn: Callable[..., Any]) -> bool:
     """True when ``fn`` still raises the blank lab's ``NotImplementedError`` placeholder."""
+    return _stub_hint(fn) is not None
+
+
+def _stub_hint(fn: Callable[..., Any]) -> str | None:
+    """The hint of the blank lab's ``raise NotImplementedError("hint")`` in ``fn``, or None."""
     try:
         src = inspect.getsource(fn)
     except (OSError, TypeError):
-        return False
-    return "raise NotImplementedError" in src
+        return None
+    if "raise NotImplementedError" not in src:
+        return None
+    found = re.search(r"raise NotImplementedError\((\"(?:[^\"\\]|\\.)*\")\)", src)
+    return json.loads(found.group(1)) if found else ""
 
 
 def require_written(what: str, *fns: Callable[..., Any]) -> None:
@@ -70,10 +80,10 @@ def require_written(what: str, *fns: Callable[..., Any]) -> None:
     for fn in fns:
         if not callable(fn):
             failed(what, f"expected a function, got {type(fn).__name__}: pass the function itself, without ()")
-        if not_implemented(fn):
+        hint = _stub_hint(fn)
+        if hint is not None:
             failed(what, f"{getattr(fn, '__name__', 'the exercise')} is not written yet (it still raises "
-                         "NotImplementedError): fill in the part between the exercise markers, run that cell, "
-                         "then this one")
+                         f"NotImplementedError): {hint or 'write the exercise, run its cell, then this one'}")
 
 
 def is_library(fn: Any, *library: Any) -> bool:

@@ -402,7 +402,7 @@ check.ring_reduce_scatter(my_reduce_scatter)
 def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of the 1-D ``x`` (any number of elements), on every rank."""
     # BEGIN SOLUTION
-    # HINT: all_reduce = reduce_scatter + all_gather, with your two functions; first pad x with zeros
+    # HINT: an all-reduce is a reduce-scatter followed by an all-gather, your two functions; first pad x with zeros
     # HINT: to a multiple of the world size (comm.pad_to_multiple), and at the end keep only the first
     # HINT: x.numel() elements.
     padded = comm.pad_to_multiple(x, dist.world_size())
@@ -480,7 +480,7 @@ def draw_ring_timeline(traces: list, ax) -> None:
     t0 = min(s.start for spans in sends.values() for s in spans)
     # BEGIN SOLUTION
     # HINT: for every rank, walk its sends in order; a send's bar starts (start - t0) in ms after t0 and is
-    # HINT: its duration long, on the row y = rank (matplotlib's horizontal bar, with its left edge given).
+    # HINT: its duration long, on the row of its rank (matplotlib's horizontal bar, with its left edge given).
     # HINT: The first half of a rank's sends is the reduce-scatter, the second half the all-gather.
     for rank, spans in sends.items():
         half = len(spans) // 2

@@ -93,7 +93,7 @@ for world in (2, 4):
 # trains data-parallel. The collectives, from `minifsdp.comm` (lab 00):
 # `comm.broadcast(tensor, src=0)` and `comm.all_reduce(tensor)` (a **sum**, in place);
 # use `comm` so the tracer sees them. Change a tensor autograd tracks under
-# `torch.no_grad()`. The check runs your function on 1, 2 and 4 ranks, compares the
+# `torch.no_grad()`. The check runs your function on 2 and 4 ranks, compares the
 # gradients with one process on the whole batch, and counts the bytes.
 
 # %%
@@ -263,7 +263,7 @@ class BucketedDDP:
 
 
 # %%
-# CHECK: single-process gradients at 1, 2 and 4 ranks, 2·4Ψ bytes per step, buckets launched during backward
+# CHECK: single-process gradients at 2 and 4 ranks, 2·4Ψ bytes per step, buckets launched during backward
 check.bucketed_ddp(BucketedDDP)
 
 # %% [markdown]
@@ -344,7 +344,7 @@ def accumulation_step(model, micro_batches):
     k = len(micro_batches)
     # BEGIN SOLUTION
     # HINT: every micro-batch's loss is its mean loss divided by k; all micro-batches but the last run their
-    # HINT: forward and their backward inside the model's no_sync() context; the last one runs outside it.
+    # HINT: forward and their backward inside the model's no_sync context; the last one runs outside it.
     with model.no_sync():
         for x, y in micro_batches[:-1]:
             (models.lm_loss(model(x), y) / k).backward()
