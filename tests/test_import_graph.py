@@ -25,7 +25,7 @@ import minifsdp
 
 # DESIGN.md's layers, first to last: a module imports only from its own layer or an earlier one.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("runtime", {"", "dist", "launch"}),  # "": minifsdp/__init__.py, which re-exports launch
+    ("runtime", {"", "dist", "launch", "fake_gpu"}),  # "": minifsdp/__init__.py, which re-exports launch
     ("recording", {"trace", "memory"}),
     ("communication", {"comm"}),
     ("leaves", {"models", "data", "estimate", "planner"}),
