@@ -12,10 +12,10 @@ medians and ratios (minifsdp / torch):
 * bytes moved per step — from the tracer's comm spans, in the ZeRO paper's
   units (``comm.collective_bytes``). minifsdp records its own collectives;
   torch's are counted by ``torch_reference.count_collectives`` (and a DDP
-  comm hook for DDP's C++ all-reduce; on gpt-small, 2 ranks, it cost 521 vs
-  515 ms/step, within noise, so it stays on), so both columns are measured. The
-  third column, *expected*, is computed here from the model's structure
-  (``expected_bytes``), padding included; minifsdp must move exactly that.
+  comm hook for DDP's C++ all-reduce), so both columns are measured. The
+  third column, *expected*, is ``estimate.comm_bytes_per_step`` for the
+  model's structure (``expected_bytes``), padding included; minifsdp must
+  move exactly that. *paper* is the ZeRO paper's kΨ (``estimate.paper_comm_bytes``).
 * same losses — both sides' losses agree (rel 1e-5): they trained the same.
 
 A side is ``strategy`` or ``strategy@OPTION``, the option being the
@@ -31,6 +31,9 @@ replicate 2). There torch's FSDP1 switches a shard group of one to NO_SHARD
 losses drift from one process's: the "same losses" column says no.
 
 Writes ``bench.json`` and prints a table; README.md quotes it.
+
+Read first: ``train.py`` (each run is one ``train()``) and ``estimate.py``
+(the expected bytes).
 """
 
 from __future__ import annotations
@@ -119,70 +122,39 @@ def _median_step(metrics: dict[str, Any], warmup: int) -> float:
 # Expected bytes: what minifsdp's side must move, from the model's structure
 # --------------------------------------------------------------------------
 
-def unit_numels(model_name: str) -> tuple[list[int], int]:
-    """Parameter counts of the FSDP units under the Block wrap policy: ``([block, ...], root)``.
-
-    The root unit holds what no Block does (embeddings, final norm, head).
-    """
-    model = models.build_model(model_name)
-    blocks = [models.count_parameters(m) for m in model.modules() if isinstance(m, models.Block)]
-    return blocks, models.count_parameters(model) - sum(blocks)
+def comm_strategy(side: str) -> str:
+    """The ``estimate.comm_bytes_per_step`` name of a minifsdp side: ``"fsdp@SHARD_GRAD_OP"`` -> ``"shard_grad_op"``."""
+    name, option = parse_side(side)
+    if name in ("ddp", "ddp-naive", "zero1", "zero2"):
+        return name
+    if name == "fsdp":
+        return (option or "FULL_SHARD").lower()
+    raise ValueError(f"no expected bytes for {side!r}: it is not one of minifsdp's strategies")
 
 
 def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any]:
-    """Bytes per step minifsdp's ``side`` moves (volume convention, fp32, wrap=block), by collective.
+    """Bytes per step minifsdp's ``side`` moves as ``train.py`` sets it up: ``estimate.comm_bytes_per_step``
+    with this model's FSDP units (wrap=block), buffers, fp32, HYBRID_SHARD as 2 x (N/2).
 
-    ``"paper"`` is the ZeRO paper's kΨ (``estimate.comm_bytes_per_step``);
-    ``"total"`` the exact value: FSDP moves *padded* flat parameters (each
-    unit padded to a multiple of its shard group), and FULL_SHARD keeps the
-    root unit unsharded from forward to backward (torch FSDP1 and minifsdp
-    alike), so it gathers the root once: 3Ψ − Ψ_root, not 3Ψ. DDP (and
-    zero1, which runs on DDP) also broadcasts the module's buffers before
-    each forward (as torch's ``broadcast_buffers=True``).
+    ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's kΨ
+    (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
 
     >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42880 x 4 B = 171520 B
     >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3Ψ; 3Ψ - Ψ_root
     (514560, 444672, 273152)
     """
-    name, option = parse_side(side)
-    n = world_size
-    blocks, root = unit_numels(model_name)
-    psi_n = sum(blocks) + root
-    b = 4  # fp32
-    buffers = sum(t.numel() * t.element_size() for t in models.build_model(model_name).buffers())
-    by_op: dict[str, int]
-    if name in ("ddp", "ddp-naive"):
-        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": buffers}, "ddp"
-    elif name == "zero1":  # DDP all-reduces the gradients (and broadcasts buffers); owners broadcast parameters
-        by_op, paper_key = {"all_reduce": 2 * psi_n * b, "broadcast": psi_n * b + buffers}, "oss"
-    elif name == "zero2":  # reduce each gradient to its owner, owners broadcast
-        by_op, paper_key = {"reduce": psi_n * b, "broadcast": psi_n * b}, "zero2"
-    elif name == "fsdp":
-        by_op, paper_key = _fsdp_bytes(option or "FULL_SHARD", blocks, root, n, b)
-    else:
-        raise ValueError(f"no expected bytes for {side!r}: it is not one of minifsdp's strategies")
-    paper = (estimate.comm_bytes_per_step(psi_n, n, paper_key, ring=False)["total"] if paper_key else None)
-    by_op = {op: v for op, v in by_op.items() if v}
-    return {"total": sum(by_op.values()), "by_op": by_op, "paper": paper, "paper_key": paper_key,
-            "n_params": psi_n}
-
-
-def _fsdp_bytes(option: str, blocks: list[int], root: int, n: int, b: int) -> tuple[dict[str, int], str | None]:
-    """FSDP's collectives per step for one sharding strategy; see ``expected_bytes``."""
-    if option == "NO_SHARD":  # DDP-like: all-reduce the unpadded gradients
-        return {"all_reduce": 2 * (sum(blocks) + root) * b}, "no_shard"
-    shard = n // 2 if option == "HYBRID_SHARD" else n  # 2 x (N/2) layout (train.py)
-    padded = [estimate.padded_numel(x, shard) * b for x in blocks]
-    padded_root = estimate.padded_numel(root, shard) * b
-    total = sum(padded) + padded_root
-    if shard == 1:  # HYBRID at N = 2: nothing sharded, gradients all-reduced across the replicas
-        return {"all_reduce": 2 * total}, None
-    # backward gathers again what forward freed: every unit but the root (FULL_SHARD / HYBRID)
-    gather = total + (sum(padded) if option in ("FULL_SHARD", "HYBRID_SHARD") else 0)
-    out = {"all_gather": gather, "reduce_scatter": total}
-    if option == "HYBRID_SHARD":  # then each rank's gradient shard is all-reduced across the replicas
-        return {**out, "all_reduce": 2 * total // shard}, None
-    return out, option.lower()
+    strategy = comm_strategy(side)
+    model = models.build_model(model_name)
+    units, root = estimate.fsdp_unit_numels(model, (models.Block,))
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
+    shard = world_size // 2 if strategy == "hybrid_shard" else None
+    by_op = estimate.comm_bytes_per_step(units, world_size, strategy, root_numel=root, buffer_bytes=buffers,
+                                         shard_size=shard)
+    total = by_op.pop("total")
+    n_params = sum(units) + root
+    paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None
+    paper = estimate.paper_comm_bytes(n_params, strategy) if paper_key else None
+    return {"total": total, "by_op": by_op, "paper": paper, "paper_key": paper_key, "n_params": n_params}
 
 
 # --------------------------------------------------------------------------
@@ -223,8 +195,7 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
     return row
 
 
-_PAPER_LABEL = {"ddp": "2Ψ", "no_shard": "2Ψ", "oss": "3Ψ", "zero2": "2Ψ", "shard_grad_op": "2Ψ",
-                "full_shard": "3Ψ"}
+_PAPER_LABEL = {k: f"{v}Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

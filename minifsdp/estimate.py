@@ -10,13 +10,19 @@ number of bytes (or a fraction); ``format_bytes`` makes it readable.
   (fp16), gradients 2*Psi and optimizer state K*Psi with K = 12 (fp32 master
   copy, momentum, variance). In plain fp32 training parameters and gradients
   cost 4*Psi each and Adam's two moments K = 8 bytes per parameter.
-* Communication volume per optimizer step (ZeRO paper, section 7).
+* Communication per optimizer step: ``comm_bytes_per_step`` is exact (padding,
+  FSDP's root rule; what ``minifsdp.comm`` records, to the byte, for every
+  strategy: ``python -m minifsdp.bench`` and tests/test_bytes_agree.py hold
+  it to that), ``paper_comm_bytes`` the ZeRO paper's kΨ (section 7).
 * Activation memory of ``models.GPT``, counted from the tensors that autograd
   saves for backward in *this* implementation (compare Korthikanti et al.
   2022, "Reducing Activation Recomputation in Large Transformer Models",
   which derives 34*s*b*h + 5*a*s^2*b bytes per layer for Megatron's GPT).
 * Pipeline bubble fraction (Huang et al. 2019, GPipe; Narayanan et al.
   2021, Megatron-LM interleaved schedule).
+
+Read first: ``models.py`` (what is counted); then this file top to bottom.
+The labs (01 memory, 03 ZeRO, 04 FSDP) hold these numbers against measurement.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ __all__ = [
     "format_bytes",
     "param_bytes",
     "grad_bytes",
-    "optimizer_state_bytes",
+    "optimizer_state_bytes_for",
     "padded_numel",
     "shard_numel",
     "zero_stage",
@@ -43,6 +49,10 @@ __all__ = [
     "gpt_layer_activation_breakdown",
     "gpt_activation_bytes",
     "comm_bytes_per_step",
+    "paper_comm_bytes",
+    "fsdp_unit_numels",
+    "COMM_STRATEGIES",
+    "ZERO_PAPER_PSI",
     "pipeline_bubble_fraction",
     "pipeline_peak_microbatches",
 ]
@@ -68,11 +78,15 @@ def dtype_bytes(dtype: DType) -> int:
     return dtype.itemsize
 
 
-def format_bytes(n: float) -> str:
-    """Binary units, as memory tools print them: ``format_bytes(14753792) == '14.07 MiB'``."""
+def format_bytes(n: float, digits: int = 2) -> str:
+    """Binary units, as memory tools print them; the package's one byte formatter.
+
+    >>> format_bytes(14753792), format_bytes(4 * 2**20, digits=1), format_bytes(512), format_bytes(-1536)
+    ('14.07 MiB', '4.0 MiB', '512 B', '-1.50 KiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+            return f"{n:.0f} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
@@ -87,13 +101,13 @@ def grad_bytes(n_params: int, dtype: DType = torch.float32) -> int:
     return int(n_params) * dtype_bytes(dtype)
 
 
-def optimizer_state_bytes(
+def optimizer_state_bytes_for(
     n_params: int, optimizer: str = "adamw", dtype: DType = torch.float32
 ) -> int:
-    """Bytes of optimizer state for ``n_params`` parameters.
+    """Bytes of optimizer state predicted for ``n_params`` parameters (measured: ``zero.local_state_bytes``).
 
     AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (2 per element), SGD with
-    momentum one buffer, plain SGD nothing: ``optimizer_state_bytes(212) ==
+    momentum one buffer, plain SGD nothing: ``optimizer_state_bytes_for(212) ==
     1696``. torch's Adam also keeps a scalar ``step`` tensor per parameter
     *tensor*; a few bytes, ignored here.
     """
@@ -180,7 +194,7 @@ def model_state_bytes_per_device(
     if mixed_precision:
         k = 4 + 4 * _OPTIMIZER_STATES[optimizer.lower()]  # fp32 master + fp32 states
     else:
-        k = optimizer_state_bytes(1, optimizer, param_dtype)
+        k = optimizer_state_bytes_for(1, optimizer, param_dtype)
     out = {
         "parameters": (shard if s >= 3 else full) * pb,
         "gradients": (shard if s >= 2 else full) * pb,
@@ -274,66 +288,159 @@ def gpt_activation_bytes(
     return out
 
 
+# --------------------------------------------------------------------------
+# Communication per optimizer step: the one formula bench, tests and labs use
+# --------------------------------------------------------------------------
+
+# What each strategy's collectives are, in ``comm``'s volume convention (an
+# all-reduce of S bytes counts 2S, every other collective S). Ψ = parameter bytes.
+COMM_STRATEGIES = ("ddp", "zero1", "zero2", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+_COMM_ALIASES = {"ddp-naive": "ddp", "oss": "zero1", "zero3": "full_shard", "fsdp": "full_shard"}
+# The ZeRO paper's count (section 7), in multiples of Ψ: its ZeRO-1 and ZeRO-2
+# both reduce-scatter gradients and all-gather parameters (2Ψ); stage 3 gathers twice.
+ZERO_PAPER_PSI = {"ddp": 2, "no_shard": 2, "zero1": 2, "zero2": 2, "shard_grad_op": 2, "full_shard": 3}
+
+
+def _comm_strategy(strategy: str) -> str:
+    key = strategy.lower()
+    key = _COMM_ALIASES.get(key, key)
+    if key not in COMM_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(COMM_STRATEGIES)} "
+                         f"(or {', '.join(_COMM_ALIASES)})")
+    return key
+
+
 def comm_bytes_per_step(
     n_params: int | Sequence[int],
     world_size: int,
     strategy: str,
     dtype: DType = torch.float32,
-    ring: bool = True,
+    ring: bool = False,
+    *,
+    root_numel: int = 0,
+    buffer_bytes: int = 0,
+    shard_size: int | None = None,
 ) -> dict[str, float]:
-    """Bytes of collective traffic per optimizer step, per rank.
+    """Bytes minifsdp's collectives move per optimizer step and rank, by collective, exactly.
 
-    ``ring=False`` gives the ZeRO paper's accounting (section 7) in units of
-    the model size Psi*bytes: an all-reduce moves 2*Psi (a reduce-scatter
-    plus an all-gather), so DDP = 2*Psi, ZeRO-1/2 = 2*Psi (reduce-scatter
-    gradients, all-gather updated parameters), ZeRO-3/FSDP FULL_SHARD = 3*Psi
-    (all-gather in forward, again in backward, reduce-scatter of gradients),
-    FSDP SHARD_GRAD_OP = 2*Psi (parameters kept from forward to backward).
+    The keys are ``comm``'s op names and the values what the tracer records
+    (``Trace.bytes_by_op``), so a measured step can be compared to the byte;
+    ``"total"`` sums them. ``n_params`` is the parameter count, or for FSDP
+    the sizes of the wrapped units *other than the root*; ``root_numel`` is
+    the root unit's (what no wrapped unit holds: embeddings, final norm, head).
+    With Ψ = parameter bytes (root included):
 
-    ``ring=True`` gives what each rank actually *sends* with ring
-    algorithms: an all-gather or reduce-scatter of a tensor of S bytes sends
-    (N-1)/N * S per rank, an all-reduce twice that. Sharded strategies move
-    padded flat parameters (``padded_numel``). Example: DDP, Psi = 1M fp32
-    parameters, N = 4: 2 * 3/4 * 4 MB = 6 MB sent per rank per step.
+    ==============  =====================================================  =====
+    strategy        collectives per step                                   total
+    ==============  =====================================================  =====
+    ddp             all_reduce gradients 2Ψ (+ broadcast buffers)          2Ψ
+    zero1           all_reduce 2Ψ, owners broadcast parameters Ψ (+ bufs)  3Ψ
+    zero2           reduce each gradient to its owner Ψ, broadcast Ψ       2Ψ
+    full_shard      all_gather 2Ψ − Ψ_root, reduce_scatter Ψ               3Ψ − Ψ_root
+    shard_grad_op   all_gather Ψ, reduce_scatter Ψ                         2Ψ
+    no_shard        all_reduce 2Ψ                                          2Ψ
+    hybrid_shard    full_shard in groups of S, all_reduce 2Ψ/S across them
+    ==============  =====================================================  =====
 
-    ``"oss"`` is FairScale's OSS with DDP-style gradients, as minifsdp.zero
-    does it: all-reduce the full gradients (2*Psi), then each rank
-    broadcasts its updated shard (Psi in total): 3*Psi, more than ZeRO-1 in
-    the paper. Gradient accumulation with ``no_sync`` divides all of this by
-    the number of micro-steps for DDP-like strategies only.
+    * ``zero1``/``"oss"`` is FairScale's OSS (and torch's
+      ZeroRedundancyOptimizer) on DDP: whole gradients all-reduced, then
+      parameters broadcast: 3Ψ, not the paper's 2Ψ (``paper_comm_bytes``).
+    * FSDP pads every unit to a multiple of its shard group (``padded_numel``);
+      DDP, ZeRO-1/2 and NO_SHARD move unpadded tensors.
+    * The root rule: FULL_SHARD (and HYBRID_SHARD) keep the root unit
+      unsharded from forward to backward (backward needs it first), so the
+      root is gathered once and every other unit twice.
+    * ``buffer_bytes``: DDP (and zero1, which runs on it) broadcasts the
+      module's buffers before each forward (torch's ``broadcast_buffers``).
+    * ``hybrid_shard`` needs ``shard_size`` (ranks per shard group, S); the
+      replicas all-reduce each rank's padded shard, 2·Ψ/S. S = 1 shards
+      nothing: all_reduce 2Ψ.
+
+    ``ring=True`` gives what each rank *sends* with ring algorithms instead:
+    (G-1)/G of each op's volume, G its group size (``comm``'s ``ring_bytes``).
+    A world of one moves nothing.
+
+    gpt-tiny under the Block wrap policy (two blocks of 12,704 parameters, root
+    17,472, fp32), 2 ranks, FULL_SHARD: gather 2·101,632 + 69,888, scatter 171,520:
+
+    >>> comm_bytes_per_step([12704, 12704], 2, "full_shard", root_numel=17472)
+    {'all_gather': 273152, 'reduce_scatter': 171520, 'total': 444672}
+    >>> comm_bytes_per_step(42880, 2, "zero2")
+    {'reduce': 171520, 'broadcast': 171520, 'total': 343040}
     """
-    b = dtype_bytes(dtype)
-    n = world_size
+    key, n, b = _comm_strategy(strategy), world_size, dtype_bytes(dtype)
     if n < 1:
         raise ValueError(f"world_size must be >= 1, got {n}")
-    sizes = [int(n_params)] if isinstance(n_params, int) else [int(x) for x in n_params]
-    full = sum(sizes) * b
-    padded = sum(padded_numel(x, n) for x in sizes) * b
-    kinds = {  # strategy -> (all_reduce, all_gather, reduce_scatter, broadcast) counts
-        "ddp": (1, 0, 0, 0), "no_shard": (1, 0, 0, 0),
-        "zero1": (0, 1, 1, 0), "zero2": (0, 1, 1, 0),
-        "shard_grad_op": (0, 1, 1, 0),
-        "zero3": (0, 2, 1, 0), "fsdp": (0, 2, 1, 0), "full_shard": (0, 2, 1, 0),
-        "oss": (1, 0, 0, 1),
-    }
-    key = strategy.lower()
-    if key not in kinds:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(kinds)}")
-    ar, ag, rs, bc = kinds[key]
+    units = [int(n_params)] if isinstance(n_params, int) else [int(x) for x in n_params]
+    psi = (sum(units) + root_numel) * b
+    by_op: dict[str, int] = {}
+    group = {}  # op -> the size of the group it runs in (for ring=True)
+    if n > 1 and key in ("ddp", "zero1", "no_shard"):
+        by_op["all_reduce"] = 2 * psi
+        bcast = (psi if key == "zero1" else 0) + (buffer_bytes if key != "no_shard" else 0)
+        by_op["broadcast"] = bcast
+    elif n > 1 and key == "zero2":
+        by_op.update(reduce=psi, broadcast=psi)
+    elif n > 1:  # FSDP's sharded strategies
+        if key == "hybrid_shard":
+            if shard_size is None or shard_size < 1 or n % shard_size:
+                raise ValueError(f"hybrid_shard needs shard_size= (ranks per shard group) dividing world_size "
+                                 f"{n}, got {shard_size!r}")
+            s = shard_size
+        else:
+            if shard_size not in (None, n):
+                raise ValueError(f"shard_size is for hybrid_shard; {key} shards over the whole world ({n})")
+            s = n
+        padded = sum(padded_numel(x, s) for x in units) * b
+        padded_root = padded_numel(root_numel, s) * b if root_numel else 0
+        if s > 1:
+            twice = key in ("full_shard", "hybrid_shard")  # resharded after forward: gathered again
+            by_op["all_gather"] = padded + padded_root + (padded if twice else 0)
+            by_op["reduce_scatter"] = padded + padded_root
+            group.update(all_gather=s, reduce_scatter=s)
+        if n // s > 1:  # HYBRID: each rank's gradient shard all-reduced across the replicas
+            by_op["all_reduce"] = 2 * (padded + padded_root) // s
+            group["all_reduce"] = n // s
+    out: dict[str, float] = {op: v for op, v in by_op.items() if v}
     if ring:
-        frac = (n - 1) / n  # each rank sends all but its own 1/N share
-        size = full if key in ("ddp", "no_shard", "oss") else padded
-        out = {
-            "all_reduce": ar * 2 * frac * size,
-            "all_gather": ag * frac * size,
-            "reduce_scatter": rs * frac * size,
-            "broadcast": bc * frac * size,
-        }
-    else:
-        out = {"all_reduce": ar * 2 * full, "all_gather": ag * full,
-               "reduce_scatter": rs * full, "broadcast": bc * full}
+        out = {op: v * (group.get(op, n) - 1) / group.get(op, n) for op, v in out.items()}
     out["total"] = sum(out.values())
     return out
+
+
+def paper_comm_bytes(n_params: int, strategy: str, dtype: DType = torch.float32) -> int:
+    """The ZeRO paper's volume per step (section 7), kΨ: ``ZERO_PAPER_PSI[strategy]`` × Ψ.
+
+    The textbook number that ``comm_bytes_per_step`` refines: the paper's
+    ZeRO-1 reduce-scatters gradients (2Ψ) where FairScale's OSS all-reduces
+    them (3Ψ), and it neither pads nor keeps the root unit gathered.
+
+    >>> paper_comm_bytes(1000, "full_shard"), paper_comm_bytes(1000, "oss")   # 3Ψ, 2Ψ
+    (12000, 8000)
+    """
+    key = _comm_strategy(strategy)
+    if key not in ZERO_PAPER_PSI:
+        raise ValueError(f"the ZeRO paper has no count for {strategy!r}; use comm_bytes_per_step")
+    return ZERO_PAPER_PSI[key] * int(n_params) * dtype_bytes(dtype)
+
+
+def fsdp_unit_numels(model: torch.nn.Module, unit_types: tuple[type, ...]) -> tuple[list[int], int]:
+    """Parameters of each FSDP unit under ``ModuleWrapPolicy(unit_types)``: ``([unit, ...], root)``.
+
+    Each outermost module of one of ``unit_types`` is a unit; the root holds
+    every parameter no unit does. Feed the result to ``comm_bytes_per_step``:
+
+    >>> net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> fsdp_unit_numels(net, (torch.nn.Linear,))          # gpt-tiny, (Block,): ([12704, 12704], 17472)
+    ([20, 10], 40)
+    """
+    units: list[int] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, unit_types) and id(m) not in inside and m is not model:
+            units.append(sum(p.numel() for p in m.parameters()))
+            inside.update(id(sub) for sub in m.modules())
+    return units, sum(p.numel() for p in model.parameters()) - sum(units)
 
 
 def pipeline_bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:

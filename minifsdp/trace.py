@@ -24,6 +24,10 @@ Times are ``time.perf_counter()`` seconds. On Linux that clock is
 CLOCK_MONOTONIC, shared by all processes of one machine, so ranks launched on
 one machine line up on a common axis. (Across machines the clocks differ; the
 trace then shows each rank relative to its own start.)
+
+Read first: ``launch.py`` (how ranks start); then this file; then ``comm.py``
+(collectives that record themselves here) and ``memory.py`` (which appends
+``MemorySample``s to ``Trace.memory``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -99,12 +103,6 @@ class Trace:
                 totals[s.name] = totals.get(s.name, 0) + int(s.args.get("bytes", 0))
         return totals
 
-    def peak_memory(self) -> MemorySample | None:
-        return max(self.memory, key=lambda m: m.total, default=None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # --------------------------------------------------------------------------
 # The active tracer: a per-process stack, so nested `with tracer:` works.
@@ -159,9 +157,6 @@ class Tracer:
         record = Span(name=name, kind=kind, start=start, end=end, args=args)
         self.trace.spans.append(record)
         return record
-
-    def sample_memory(self, bytes_by_category: dict[str, int], label: str = "") -> None:
-        self.trace.memory.append(MemorySample(time.perf_counter(), dict(bytes_by_category), label))
 
 
 @contextmanager

@@ -15,7 +15,8 @@ from minifsdp.estimate import (
     gpt_param_count,
     grad_bytes,
     model_state_bytes_per_device,
-    optimizer_state_bytes,
+    optimizer_state_bytes_for,
+    paper_comm_bytes,
     padded_numel,
     param_bytes,
     pipeline_bubble_fraction,
@@ -32,6 +33,7 @@ def test_dtype_bytes_and_format():
         dtype_bytes("fp8ish")
     assert format_bytes(14_753_792) == "14.07 MiB"
     assert format_bytes(512) == "512 B"
+    assert format_bytes(4 * 2**20, digits=1) == "4.0 MiB" and format_bytes(-1536, digits=1) == "-1.5 KiB"
 
 
 def test_mlp_bytes_by_hand():
@@ -47,11 +49,11 @@ def test_mlp_bytes_by_hand():
     opt.step()
     measured = sum(t.numel() * t.element_size() for st in opt.state.values()
                    for k, t in st.items() if k != "step")
-    assert optimizer_state_bytes(n, "adamw") == 1696 == measured
-    assert optimizer_state_bytes(n, "sgd_momentum") == 848
-    assert optimizer_state_bytes(n, "sgd") == 0
+    assert optimizer_state_bytes_for(n, "adamw") == 1696 == measured
+    assert optimizer_state_bytes_for(n, "sgd_momentum") == 848
+    assert optimizer_state_bytes_for(n, "sgd") == 0
     with pytest.raises(ValueError):
-        optimizer_state_bytes(n, "lion")
+        optimizer_state_bytes_for(n, "lion")
 
 
 def test_padding():
@@ -151,22 +153,54 @@ def test_activation_breakdown_worked_example():
 
 
 def test_comm_volume_conventions():
-    psi = 1_000_000
-    # ZeRO-paper units: multiples of Psi * bytes, independent of N.
-    paper = {s: comm_bytes_per_step(psi, 8, s, ring=False)["total"] / (4 * psi)
-             for s in ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "fsdp", "oss")}
-    assert paper == {"ddp": 2, "zero1": 2, "zero2": 2, "shard_grad_op": 2,
-                     "zero3": 3, "fsdp": 3, "oss": 3}
+    psi = 1_000_000  # a multiple of 8: no padding
+    # The ZeRO paper's kΨ, independent of N; FairScale-style ZeRO-1 ("oss") is one Ψ more than the paper's.
+    paper = {s: paper_comm_bytes(psi, s) / (4 * psi) for s in ("ddp", "zero1", "zero2", "shard_grad_op", "zero3")}
+    assert paper == {"ddp": 2, "zero1": 2, "zero2": 2, "shard_grad_op": 2, "zero3": 3}
+    exact = {s: comm_bytes_per_step(psi, 8, s)["total"] / (4 * psi)
+             for s in ("ddp", "zero1", "oss", "zero2", "shard_grad_op", "no_shard", "full_shard", "fsdp")}
+    assert exact == {"ddp": 2, "zero1": 3, "oss": 3, "zero2": 2, "shard_grad_op": 2, "no_shard": 2,
+                     "full_shard": 3, "fsdp": 3}
+    # by collective, with the names comm records
+    assert comm_bytes_per_step(psi, 4, "zero2") == {"reduce": 4 * psi, "broadcast": 4 * psi, "total": 8 * psi}
+    assert comm_bytes_per_step(psi, 4, "zero1", buffer_bytes=96) == {
+        "all_reduce": 8 * psi, "broadcast": 4 * psi + 96, "total": 12 * psi + 96}
+    assert comm_bytes_per_step(psi, 4, "no_shard", buffer_bytes=96)["total"] == 8 * psi  # FSDP has no buffer sync
     # Ring: (N-1)/N of that, sent by each rank.
-    ddp = comm_bytes_per_step(psi, 4, "ddp")
+    ddp = comm_bytes_per_step(psi, 4, "ddp", ring=True)
     assert ddp["all_reduce"] == ddp["total"] == 2 * 3 / 4 * 4 * psi
-    fsdp = comm_bytes_per_step(psi, 4, "full_shard", dtype="bf16")
+    fsdp = comm_bytes_per_step(psi, 4, "full_shard", dtype="bf16", ring=True)
     assert fsdp["all_gather"] == 2 * 3 / 4 * 2 * psi and fsdp["reduce_scatter"] == 3 / 4 * 2 * psi
-    # Sharded strategies move padded flat parameters.
-    assert comm_bytes_per_step(10, 4, "zero2")["all_gather"] == 3 / 4 * 12 * 4
     assert comm_bytes_per_step(psi, 1, "fsdp")["total"] == 0  # nobody to talk to
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
         comm_bytes_per_step(psi, 4, "zero4")
+    with pytest.raises(ValueError, match="hybrid_shard needs shard_size"):
+        comm_bytes_per_step(psi, 4, "hybrid_shard")
+
+
+def test_comm_padding_and_root_rule_by_hand():
+    # 3 ranks, units of 10 and 7 elements, root 5: padded to 12, 9 and 6 elements (fp32: x4 bytes)
+    full = comm_bytes_per_step([10, 7], 3, "full_shard", root_numel=5)
+    assert full == {"all_gather": 4 * (2 * (12 + 9) + 6), "reduce_scatter": 4 * (12 + 9 + 6),
+                    "total": 4 * (3 * 27 - 6)}  # 3Ψ_padded - Ψ_root: the root is gathered once
+    assert comm_bytes_per_step([10, 7], 3, "shard_grad_op", root_numel=5)["all_gather"] == 4 * 27
+    assert comm_bytes_per_step([10, 7], 3, "no_shard", root_numel=5)["all_reduce"] == 2 * 4 * 22  # unpadded
+    # HYBRID: full_shard inside groups of 2 (padded to 2), then the 1/2 shard all-reduced across the 2 groups
+    hybrid = comm_bytes_per_step([10, 7], 4, "hybrid_shard", root_numel=5, shard_size=2)
+    assert hybrid == {"all_gather": 4 * (2 * (10 + 8) + 6), "reduce_scatter": 4 * 24, "all_reduce": 4 * 24,
+                      "total": 4 * (36 + 6 + 24 + 24)}
+    ring = comm_bytes_per_step([10, 7], 4, "hybrid_shard", root_numel=5, shard_size=2, ring=True)
+    assert ring["all_gather"] == hybrid["all_gather"] / 2 and ring["all_reduce"] == hybrid["all_reduce"] / 2
+    # groups of one shard nothing: the replicas all-reduce everything
+    assert comm_bytes_per_step([10, 7], 2, "hybrid_shard", root_numel=5, shard_size=1) == {
+        "all_reduce": 2 * 4 * 22, "total": 2 * 4 * 22}
+
+
+def test_estimate_docstring_examples_run():
+    import doctest
+
+    import minifsdp.estimate
+    assert doctest.testmod(minifsdp.estimate).failed == 0
 
 
 def test_pipeline_bubble():
