@@ -222,8 +222,8 @@ def test_bf16_mixed_precision(fp32_losses):
     _, dtypes, _ = launch(_mixed, 2, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                           timeout=120)[0]
     assert dtypes == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
-    losses_true, _, _ = launch(_mixed, 2, True, timeout=120)[0]
-    assert losses_true == losses
+    _, dtypes, _ = launch(_mixed, 2, True, timeout=120)[0]   # FairScale's meaning: fp16 compute and reduction
+    assert dtypes == {("all_gather", "float16"), ("reduce_scatter", "float16")}
 
 
 def _offloaded():

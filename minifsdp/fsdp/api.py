@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+# One definition, shared with DDP and ZeRO: the policy lives in the mixed_precision technique.
+from ..mixed_precision.policy import MixedPrecision
+
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
            "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
            "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
@@ -65,34 +68,6 @@ class BackwardPrefetch(enum.Enum):
 
     BACKWARD_PRE = 1
     BACKWARD_POST = 2
-
-
-@dataclass
-class MixedPrecision:
-    """Compute in low precision, keep a full-precision sharded master copy.
-
-    * ``param_dtype``: the dtype the shard is cast to *before* the all-gather,
-      so the gather moves half the bytes and forward/backward run in it.
-    * ``reduce_dtype``: the dtype gradients are reduced in (defaults to
-      ``param_dtype``); the reduced shard is cast back to the master dtype.
-    * ``buffer_dtype``: floating buffers are cast to it (once, at the first forward).
-    * ``cast_forward_inputs``: cast floating-point inputs of every unit to
-      ``param_dtype``; ``cast_root_forward_inputs`` (default) only the root's.
-    * ``keep_low_precision_grads``: accepted for API compatibility; minifsdp
-      always gives the optimizer full-precision gradients.
-
-    ``FullyShardedDataParallel(mixed_precision=True)`` is FairScale's
-    shorthand; minifsdp reads it as ``MixedPrecision(torch.bfloat16,
-    torch.bfloat16, torch.bfloat16)`` (FairScale used fp16, which needs a loss
-    scaler; bf16 has fp32's exponent range and runs on CPUs too).
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    buffer_dtype: torch.dtype | None = None
-    keep_low_precision_grads: bool = False
-    cast_forward_inputs: bool = False
-    cast_root_forward_inputs: bool = True
 
 
 @dataclass

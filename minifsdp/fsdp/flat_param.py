@@ -93,7 +93,8 @@ class FlatParamHandle:
     def __init__(self, params: list[tuple[str, nn.Module, str, nn.Parameter]], *, unit: str,
                  shard_group: ProcessGroup | None, replicate_group: ProcessGroup | None,
                  device: torch.device, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, offload: bool = False, use_orig_params: bool = False):
+                 reduce_dtype: torch.dtype | None = None, offload: bool = False, use_orig_params: bool = False,
+                 keep_low_precision_grads: bool = False):
         self.unit = unit
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.shard_size = dist.world_size(shard_group) if shard_group is not None else 1
@@ -108,6 +109,7 @@ class FlatParamHandle:
         self.dtype = unique[0].dtype
         self.compute_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.keep_low_precision_grads = keep_low_precision_grads  # grads stay in reduce_dtype for the optimizer
         self.numel = sum(p.numel() for p in unique)
         self.padded_numel = math.ceil(self.numel / self.shard_size) * self.shard_size
         self.shard_numel = self.padded_numel // self.shard_size
@@ -365,7 +367,11 @@ class FlatParamHandle:
             if self.shard_size > 1 and self.replicate_size > 1 and comm_hook is None:  # HYBRID: across replicas
                 with comm.annotate(unit=self.unit):
                     comm.all_reduce(out, group=self.replicate_group)
-            reduced = out.to(self.flat_param.device, self.flat_param.dtype)
+            # fp32 for the optimizer (the master shard's dtype), or reduce_dtype with keep_low_precision_grads
+            grad_dtype = self.reduce_dtype if self.keep_low_precision_grads else self.flat_param.dtype
+            if grad_dtype != self.flat_param.dtype:
+                self.flat_param.grad_dtype = grad_dtype  # torch >= 2.10 lets a parameter hold a grad of another dtype
+            reduced = out.to(self.flat_param.device, grad_dtype)
             if self.orig_params is not None and all(p.grad is None for p in self.orig_params):
                 self.flat_param.grad = None  # optimizer.zero_grad() cleared the views: start afresh
             if self.flat_param.grad is None:
@@ -376,5 +382,7 @@ class FlatParamHandle:
             if self.orig_params is not None:
                 for info, p in zip(self.unique_infos, self.orig_params):
                     lo, hi = self._shard_slice(info)
+                    if grad_dtype != p.dtype:
+                        p.grad_dtype = grad_dtype
                     p.grad = self.flat_param.grad[lo:hi]
         return finish

@@ -38,18 +38,19 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .. import comm, dist, trace
+from ..mixed_precision.policy import cast_floating, check_dtype_supported, keep_fp32
 from . import full_params
 from . import state_dict as sd
 from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
                   StateDictConfig, StateDictSettings, StateDictType)
 from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
 from .params import install_optimizer_check, managed_buffers, managed_params, materialize_meta
-from .strategy import HYBRID, groups, resolve_mixed_precision, resolve_strategy
+from .strategy import HYBRID, groups, resolve_mixed_precision, resolve_offload, resolve_strategy
 from .unit import WRAPPED, FSDPUnit, TrainingState, units
-from .wrap import _recursive_wrap
+from .wrap import ModuleWrapPolicy, _recursive_wrap
 
 __all__ = ["FullyShardedDataParallel", "MAX_UNSHARDED_UNITS"]
 
@@ -98,7 +99,13 @@ class FullyShardedDataParallel(FSDPUnit):
     * ``backward_prefetch`` / ``forward_prefetch``: gather the next unit early.
       ``limit_all_gathers``: a prefetch is skipped while ``MAX_UNSHARDED_UNITS``
       non-root units are unsharded (torch bounds in-flight all-gathers the same way).
-    * ``mixed_precision`` (``api.MixedPrecision``, or True = bf16), ``cpu_offload``.
+    * ``mixed_precision`` (``MixedPrecision``: ``minifsdp/mixed_precision/policy.py``), ``cpu_offload``
+      (``CPUOffload`` or a bool). FairScale's flags, with FairScale's meaning:
+      ``mixed_precision=True`` (fp16 compute and reduction), ``fp32_reduce_scatter``,
+      ``compute_dtype``, ``buffer_dtype``, ``move_params_to_cpu`` / ``move_grads_to_cpu``,
+      ``flatten_parameters`` (False: the original parameters stay visible, ``use_orig_params``).
+      With an ``auto_wrap_policy``, modules of ``MixedPrecision._module_classes_to_ignore``
+      (BatchNorm) become units of their own in full precision, as in torch.
     * ``device_id``: compute device (default ``dist.device()``); ``sync_module_states``:
       broadcast rank 0's parameters and buffers before sharding.
     * ``use_orig_params``: False (default): ``model.parameters()`` yields one flat
@@ -109,29 +116,36 @@ class FullyShardedDataParallel(FSDPUnit):
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
-                 sharding_strategy: ShardingStrategy | None = None, cpu_offload: CPUOffload | None = None,
+                 sharding_strategy: ShardingStrategy | None = None, cpu_offload: CPUOffload | bool | None = None,
                  auto_wrap_policy: Callable | None = None,
                  backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
                  mixed_precision: MixedPrecision | bool | None = None,
                  ignored_modules: Iterable[nn.Module] | None = None, param_init_fn: Callable | None = None,
                  device_id: int | torch.device | None = None, sync_module_states: bool = False,
                  forward_prefetch: bool = False, limit_all_gathers: bool = True, use_orig_params: bool = False,
-                 *, reshard_after_forward: bool | None = None):
+                 *, reshard_after_forward: bool | None = None, fp32_reduce_scatter: bool = False,
+                 compute_dtype: torch.dtype | None = None, buffer_dtype: torch.dtype | None = None,
+                 flatten_parameters: bool = True, move_params_to_cpu: bool = False,
+                 move_grads_to_cpu: bool | None = None):
         super().__init__()
         dist.require_initialized("FullyShardedDataParallel")
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
         install_optimizer_check()
         strategy = resolve_strategy(sharding_strategy or ShardingStrategy.FULL_SHARD, reshard_after_forward)
-        mp = resolve_mixed_precision(mixed_precision)
+        mp = resolve_mixed_precision(mixed_precision, fp32_reduce_scatter, compute_dtype, buffer_dtype)
+        cpu_offload = resolve_offload(cpu_offload, move_params_to_cpu, move_grads_to_cpu)
+        use_orig_params = use_orig_params or not flatten_parameters
         ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
         self.sharding_strategy, self.mixed_precision = strategy, mp
-        self.cpu_offload = cpu_offload or CPUOffload()
+        self.cpu_offload = cpu_offload
         self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
         self._limit_all_gathers = limit_all_gathers
         self._reshard_after_forward = strategy in _RESHARD_AFTER_FORWARD
         self.compute_device = (torch.device("cuda", device_id) if isinstance(device_id, int)
                                else torch.device(device_id) if device_id is not None else dist.device())
+        if mp is not None:  # fp16/bf16 where this device cannot compute it: one line naming the fix
+            check_dtype_supported(mp.param_dtype, self.compute_device)
         self._shard_group, self._replicate_group = groups(process_group, strategy, self.compute_device)
         self._dp_size = dist.world_size(self._shard_group) if self._shard_group is not None else 1
         self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
@@ -142,11 +156,17 @@ class FullyShardedDataParallel(FSDPUnit):
             process_group = (self._shard_group, self._replicate_group)
         if auto_wrap_policy is not None:  # wrap the children first, with the same options
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
-                          backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                          backward_prefetch=backward_prefetch, mixed_precision=mp,
                           ignored_modules=ignored_modules, device_id=device_id,
                           sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                           limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                           reshard_after_forward=reshard_after_forward)
+            if mp is not None and mp._module_classes_to_ignore:  # torch: own units, full precision, fp32 hooks
+                _recursive_wrap(module, ModuleWrapPolicy(mp._module_classes_to_ignore), FullyShardedDataParallel,
+                                ignored, only_wrap_children=True, **{**kwargs, "mixed_precision": None})
+                for m in module.modules():
+                    if isinstance(m, FullyShardedDataParallel) and m.mixed_precision is None:
+                        keep_fp32(m.module)  # on the module itself, as torch (its unit sees 16-bit in and out)
             _recursive_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored, only_wrap_children=True,
                             **kwargs)
         self._fsdp_wrapped_module = module
@@ -162,6 +182,7 @@ class FullyShardedDataParallel(FSDPUnit):
                                          replicate_group=self._replicate_group, device=self.compute_device,
                                          param_dtype=mp.param_dtype if mp else None,
                                          reduce_dtype=mp.reduce_dtype if mp else None,
+                                         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
                                          offload=self.cpu_offload.offload_params, use_orig_params=use_orig_params)
                 if not use_orig_params:  # else the original parameters stay registered, as shard views
                     self.register_parameter(attr, handle.flat_param)
@@ -224,12 +245,13 @@ class FullyShardedDataParallel(FSDPUnit):
         self._pending_reduce: Callable[[], None] | None = None
         self._callback_queued = False
         self.stats = {"peak_unsharded_units": 0, "prefetches": 0, "prefetches_skipped": 0}
-        if self.mixed_precision is not None and self.mixed_precision.buffer_dtype is not None:
-            for m in self.modules():
+        for unit in self._units:  # each unit casts the buffers it owns, by its own policy (as torch)
+            dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
+            for m in _own_modules(unit) if dtype is not None else ():
                 for name, b in m._buffers.items():
                     if b is not None and b.is_floating_point():
                         m.__dict__.setdefault("_fsdp_buffer_dtypes", {}).setdefault(name, b.dtype)  # for state_dict
-                        m._buffers[name] = b.to(self.mixed_precision.buffer_dtype)
+                        m._buffers[name] = b.to(dtype)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -258,7 +280,7 @@ class FullyShardedDataParallel(FSDPUnit):
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and (
                 mp.cast_forward_inputs or (root is self and mp.cast_root_forward_inputs)):
-            args, kwargs = tree_map(lambda t: _cast(t, mp.param_dtype), (args, kwargs))
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         return args, kwargs
 
     def _post_forward(self, output: Any) -> Any:
@@ -496,5 +518,10 @@ def _next(unit: FullyShardedDataParallel, order: list) -> FullyShardedDataParall
     return None
 
 
-def _cast(t: Any, dtype: torch.dtype) -> Any:
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+def _own_modules(unit: FullyShardedDataParallel) -> Iterator[nn.Module]:
+    """The modules whose tensors ``unit`` manages: its subtree, minus nested units' subtrees."""
+    stack = [unit._fsdp_wrapped_module]
+    while stack:
+        m = stack.pop()
+        yield m
+        stack.extend(c for c in m.children() if not isinstance(c, FullyShardedDataParallel))

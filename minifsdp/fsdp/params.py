@@ -133,6 +133,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     """An optimizer built *before* wrapping holds the original parameters, which FSDP emptied."""
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.grad is not None and p.grad.dtype != p.dtype and not isinstance(optimizer, torch.optim.SGD) \
+                    and type(optimizer).__module__.startswith("torch.optim"):
+                raise RuntimeError(f"{type(optimizer).__name__} cannot step {p.dtype} parameters with {p.grad.dtype} "
+                                   "gradients (MixedPrecision(keep_low_precision_grads=True)); set "
+                                   "keep_low_precision_grads=False (fp32 gradients) or use an optimizer that "
+                                   "accepts them (torch.optim.SGD)")
             if p.numel() == 0 and getattr(p, RETIRED_MARK, False):
                 raise RuntimeError(f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel "
                                    "flattened into shards (it was built before wrapping); build it after: "

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as tdist
 
 from .. import dist
-from .api import MixedPrecision, ShardingStrategy
+from ..mixed_precision.policy import from_fairscale, resolve
+from .api import CPUOffload, MixedPrecision, ShardingStrategy
 
-__all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "groups", "devices_per_node",
+__all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "resolve_offload", "groups", "devices_per_node",
            "init_hybrid_groups"]
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -49,14 +50,34 @@ def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | N
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
-def resolve_mixed_precision(mp: MixedPrecision | bool | None) -> MixedPrecision | None:
-    if mp is True:  # FairScale's shorthand, read as bf16 (see MixedPrecision)
-        return MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
-    if mp is False or mp is None:
-        return None
-    if not isinstance(mp, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a MixedPrecision, True or None, got {type(mp).__name__}")
-    return mp
+def resolve_mixed_precision(mp: MixedPrecision | bool | None, fp32_reduce_scatter: bool = False,
+                            compute_dtype: torch.dtype | None = None,
+                            buffer_dtype: torch.dtype | None = None) -> MixedPrecision | None:
+    """torch's ``MixedPrecision``, or FairScale's flags with FairScale's meaning (``mixed_precision.from_fairscale``):
+    ``mixed_precision=True`` is fp16 compute and fp16 reduction unless ``fp32_reduce_scatter``."""
+    fairscale = fp32_reduce_scatter or compute_dtype is not None or buffer_dtype is not None
+    if isinstance(mp, MixedPrecision):
+        if fairscale:
+            raise ValueError("pass either mixed_precision=MixedPrecision(...) (torch) or FairScale's flags "
+                             "(mixed_precision=True, fp32_reduce_scatter, compute_dtype, buffer_dtype), not both")
+        return mp
+    if mp is None or isinstance(mp, bool):
+        return from_fairscale(bool(mp), fp32_reduce_scatter, compute_dtype, buffer_dtype)
+    return resolve(mp)  # raises the one-line TypeError
+
+
+def resolve_offload(cpu_offload: CPUOffload | bool | None, move_params_to_cpu: bool = False,
+                    move_grads_to_cpu: bool | None = None) -> CPUOffload:
+    """torch's ``CPUOffload``, or FairScale's booleans: ``cpu_offload=True`` / ``move_params_to_cpu=True``
+    keep the fp32 shard in host memory; its gradient follows it there (FairScale's ``move_grads_to_cpu``
+    defaults to the same value, and the optimizer steps where both live)."""
+    offload = cpu_offload.offload_params if isinstance(cpu_offload, CPUOffload) else bool(cpu_offload)
+    offload = offload or move_params_to_cpu
+    if move_grads_to_cpu is not None and move_grads_to_cpu != offload:
+        raise ValueError(f"move_grads_to_cpu={move_grads_to_cpu} with parameters {'' if offload else 'not '}"
+                         "offloaded: minifsdp keeps a gradient shard next to its parameter shard; drop "
+                         "move_grads_to_cpu (it follows cpu_offload)")
+    return CPUOffload(offload_params=offload)
 
 
 def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device) -> tuple[Any, Any]:
