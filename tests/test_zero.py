@@ -27,8 +27,8 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from minifsdp import WorkerError, data, estimate, launch, models, trace
-from minifsdp.zero import (OSS, ShardedDataParallel, all_reduce_gradients, bytes_per_step, optimizer_state_bytes,
-                           partition_parameters, wrap_zero)
+from minifsdp.zero import (OSS, ShardedDataParallel, ZeroRedundancyOptimizer, all_reduce_gradients,
+                           local_state_bytes, partition_parameters, wrap_zero)
 
 STEPS, B, T, LR, WD, EPS = 3, 12, 16, 1e-2, 0.1, 1e-6
 LOSS_ATOL, PARAM_ATOL, STATE_ATOL, NORM_RTOL = 1e-5, 1e-4, 1e-6, 1e-5
@@ -118,12 +118,14 @@ def _zero_worker(name, stage, steps, clip=None, norm_type=2.0, bucket=2**20, sub
         tdist.all_reduce(global_loss, group=group)  # for the check only, outside the tracer
         out["losses"].append(global_loss.item() / n)
     out["bytes_by_op"] = tracer.trace.bytes_by_op()
-    out["formula"] = bytes_per_step(opt, stage)
+    numel = sum(p.numel() for p in module.parameters())
+    out["formula"] = estimate.comm_bytes_per_step(numel, n, "zero1" if stage == 1 else "zero2")
+    out["formula"].pop("total")
     out["params"] = {k: v.clone() for k, v in module.state_dict().items()}
     out["owned_bytes"] = sum(p.numel() * 4 for p in opt.local_params)
     # AdamW keeps exp_avg and exp_avg_sq (numel fp32 each) and a scalar fp32 step per parameter.
     out["expected_state_bytes"] = sum(2 * p.numel() * 4 + 4 for p in opt.local_params)
-    out["state_bytes"] = optimizer_state_bytes(opt)
+    out["state_bytes"] = local_state_bytes(opt)
     out["owners"] = [opt.param_to_rank[p] for p in module.parameters()]
     opt.consolidate_state_dict(recipient_rank=0)
     out["full_state"] = opt.state_dict() if r == 0 else None
@@ -177,14 +179,13 @@ def _check_run(results, name, stage, n, clip=None, norm_type=2.0):
         expected = {"reduce": psi, "broadcast": psi, **({"all_reduce": clip_bytes} if clip_bytes else {})}
     for o in results:
         assert o["bytes_by_op"] == expected
-        formula = dict(o["formula"])  # the library's own formula agrees (it leaves clipping out)
+        formula = dict(o["formula"])  # estimate's exact formula agrees (it leaves clipping out)
         if clip_bytes and n > 1:
             formula["all_reduce"] = formula.get("all_reduce", 0) + clip_bytes
         assert formula == expected
-    if n > 1 and clip is None:  # and the same totals as the paper-style estimate
-        numel = psi // 4
-        want = estimate.comm_bytes_per_step(numel, n, "oss" if stage == 1 else "zero2", ring=False)["total"]
-        assert sum(expected.values()) == want
+    if n > 1 and clip is None:  # ZeRO-2 moves the paper's 2Ψ; FairScale-style ZeRO-1 one Ψ more than its 2Ψ
+        paper = estimate.paper_comm_bytes(psi // 4, "zero1" if stage == 1 else "zero2")
+        assert sum(expected.values()) == paper + (psi if stage == 1 else 0)
 
 
 # Eight runs cover stage x world size; some also clip (2-norm) or broadcast every parameter alone.
@@ -311,7 +312,7 @@ def test_world_of_one_is_the_plain_optimizer():
 
 def test_bad_input_errors_name_the_fix():
     model = _build("odd")
-    oss = OSS(model.parameters(), lr=LR)
+    oss = OSS(model.parameters(), torch.optim.AdamW, lr=LR)
     with pytest.raises(RuntimeError, match="call consolidate_state_dict"):
         oss.state_dict()
     with pytest.raises(ValueError, match="recipient_rank must be a rank"):
@@ -326,10 +327,8 @@ def test_bad_input_errors_name_the_fix():
         ShardedDataParallel(model, OSS(_build("odd").parameters(), lr=LR))
     with pytest.raises(ValueError, match="param groups"):
         oss.load_state_dict({"state": {}, "param_groups": []})
-    with pytest.raises(NotImplementedError, match="leave it False"):
-        OSS(model.parameters(), broadcast_fp16=True)
-    with pytest.raises(NotImplementedError, match="leave it False"):
-        ShardedDataParallel(model, oss, reduce_fp16=True)
+    with pytest.warns(UserWarning, match="reduce_fp16 is deactivated.*reduce_buffer_size=0"):  # as FairScale
+        assert not ShardedDataParallel(model, oss, reduce_fp16=True).reduce_fp16
     _loss("odd", model, *_batch("odd", 0)).backward()
     oss.step()
     with pytest.raises(RuntimeError, match="create the OSS with all param groups"):
@@ -485,3 +484,98 @@ def test_any_inner_optimizer_sgd_momentum():
     assert got_state["state"].keys() == want_state["state"].keys() == {0, 1, 2}
     for i, s in want_state["state"].items():
         torch.testing.assert_close(got_state["state"][i]["momentum_buffer"], s["momentum_buffer"], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# Fidelity: FairScale's OSS / ShardedDataParallel and torch's ZeroRedundancyOptimizer
+# ---------------------------------------------------------------------------
+def _params_of(fn):
+    """(name, kind, default) of each parameter; a ``**kwargs`` by kind only (its name is invisible to callers)."""
+    import inspect
+    return [("**" if p.kind == p.VAR_KEYWORD else p.name, p.kind, p.default)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_signatures_match_fairscale_and_torch():
+    """Same parameters, order, kinds and defaults: a positional argument lands in the same slot."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+    assert _params_of(ZeroRedundancyOptimizer) == _params_of(TorchZeRO)
+    fairscale = pytest.importorskip("fairscale")  # pip install --no-deps fairscale (a test reference only)
+    from fairscale.nn.data_parallel import ShardedDataParallel as FairScaleSDP
+    from fairscale.optim import OSS as FairScaleOSS
+    del fairscale
+    assert _params_of(OSS) == _params_of(FairScaleOSS)  # optim defaults to SGD, as FairScale's
+    ours = _params_of(ShardedDataParallel)
+    assert ours[:len(_params_of(FairScaleSDP))] == _params_of(FairScaleSDP)
+    assert all(kind == KEYWORD_ONLY for _, kind, _ in ours[len(_params_of(FairScaleSDP)):])  # our extras
+
+
+KEYWORD_ONLY = __import__("inspect").Parameter.KEYWORD_ONLY
+
+
+def test_oss_default_optimizer_is_sgd_and_zero_redundancy_rejects_what_it_lacks():
+    model = _build("odd")
+    assert isinstance(OSS(model.parameters(), lr=LR).optim, torch.optim.SGD)
+    with pytest.raises(NotImplementedError, match="parameters_as_bucket_view=True.*leave it False"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, parameters_as_bucket_view=True)
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp=True.*no comm hooks"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, None, False, True)
+
+
+def _zero_redundancy_worker(lib):
+    """The same torch-style script, with torch's DDP + ZeroRedundancyOptimizer or minifsdp's."""
+    if lib == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    else:
+        from minifsdp.ddp import DistributedDataParallel as DDP
+        from minifsdp.zero import ZeroRedundancyOptimizer as ZeRO
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    module = _build("gpt-tiny")
+    model = DDP(module)
+    opt = ZeRO(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    for step in range(STEPS):
+        _loss("gpt-tiny", model, *_batch("gpt-tiny", step, slice(r * B // n, (r + 1) * B // n))).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.consolidate_state_dict(to=0)
+    return {k: v.clone() for k, v in module.state_dict().items()}, (_clone(opt.state_dict()) if r == 0 else None)
+
+
+def test_zero_redundancy_optimizer_matches_torch():
+    """World size 2, gloo: the same parameters bit for bit, the same consolidated state dict."""
+    ours, theirs = (launch(_zero_redundancy_worker, 2, lib, timeout=120) for lib in ("minifsdp", "torch"))
+    for (p_ours, _), (p_theirs, _) in zip(ours, theirs):
+        _assert_same_params(p_ours, p_theirs, atol=0)
+    _assert_same_optimizer_state(ours[0][1], theirs[0][1])
+
+
+def _fp16_worker(lib):
+    """ZeRO-2 with FairScale's fp16 options: gradients reduced and parameters broadcast as fp16."""
+    r, n = tdist.get_rank(), tdist.get_world_size()
+    module = _build("gpt-tiny")
+    if lib == "fairscale":
+        from fairscale.nn.data_parallel import ShardedDataParallel as SDP
+        from fairscale.optim import OSS as Oss
+    else:
+        SDP, Oss = ShardedDataParallel, OSS
+    opt = Oss(module.parameters(), torch.optim.AdamW, broadcast_fp16=True, lr=LR, weight_decay=WD, eps=EPS)
+    model = SDP(module, opt, reduce_buffer_size=0, reduce_fp16=True)
+    with trace.Tracer() as tracer:
+        for step in range(STEPS):
+            _loss("gpt-tiny", model, *_batch("gpt-tiny", step, slice(r * B // n, (r + 1) * B // n))).backward()
+            opt.step()
+            opt.zero_grad()
+    return {k: v.clone() for k, v in module.state_dict().items()}, tracer.trace.bytes_by_op()
+
+
+def test_fp16_reduce_and_broadcast_match_fairscale():
+    """reduce_fp16 / broadcast_fp16 at world size 2: FairScale's parameters, half the bytes of fp32."""
+    pytest.importorskip("fairscale")
+    ours, theirs = (launch(_fp16_worker, 2, lib, timeout=120) for lib in ("minifsdp", "fairscale"))
+    psi = sum(p.numel() for p in _build("gpt-tiny").parameters()) * 4
+    full = _reference("gpt-tiny")[2][-1][0]
+    for (p_ours, moved), (p_theirs, _) in zip(ours, theirs):
+        _assert_same_params(p_ours, p_theirs, atol=0)
+        assert moved == {"reduce": STEPS * psi // 2, "broadcast": STEPS * psi // 2}
+        assert any(not torch.equal(p_ours[k], full[k]) for k in full)  # the fp16 rounding did happen

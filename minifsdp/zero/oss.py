@@ -19,7 +19,7 @@ parameters to the others:
     broadcast wte, ln from rank 0;    broadcast head, mlp from rank 1
 
     >>> # inside minifsdp.launch(fn, 2):
-    >>> opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+    >>> opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)   # FairScale's default: SGD
     >>> loss_fn(model(x)).backward(); all_reduce_gradients(model)
     >>> opt.step()                      # steps the local shard, then re-assembles
     >>> opt.consolidate_state_dict(0)   # every rank calls it
@@ -30,7 +30,11 @@ gradient all-reduce moves 2Ψ, re-assembling the parameters by broadcast from
 their owners moves Ψ, so FairScale-style ZeRO-1 costs **3Ψ** where DDP costs
 2Ψ. (The ZeRO paper reaches 2Ψ for stage 1 too by replacing the all-reduce
 with a reduce-scatter, which is what stage 2 does: see ``sharded_dp.py``.)
+``estimate.comm_bytes_per_step(n_params, N, "zero1")`` gives these bytes exactly.
 Optimizer state per rank: the state of the owned parameters only, ≈ 1/N.
+
+Read first: ``ddp.py`` (the data parallel training this shards); then this
+file; then ``sharded_dp.py`` (ZeRO-2) and ``zero_redundancy.py`` (torch's name for OSS).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
 
-__all__ = ["OSS", "partition_parameters", "all_reduce_gradients", "optimizer_state_bytes"]
+__all__ = ["OSS", "partition_parameters", "all_reduce_gradients", "local_state_bytes"]
 
 
 def partition_parameters(params: list[torch.Tensor], world_size: int) -> list[int]:
@@ -70,8 +74,11 @@ def partition_parameters(params: list[torch.Tensor], world_size: int) -> list[in
     return owner
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (for an ``OSS``: this rank's shard)."""
+def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds in ``optimizer.state``, measured (for an ``OSS``: its shard only).
+
+    The prediction for a parameter count is ``estimate.optimizer_state_bytes_for``.
+    """
     return sum(v.numel() * v.element_size() for s in optimizer.state.values()
                for v in s.values() if torch.is_tensor(v))
 
@@ -100,30 +107,32 @@ def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 class OSS(torch.optim.Optimizer):
     """Optimizer State Sharding: wraps ``optim`` so each rank keeps 1/N of its state.
 
-    ``OSS(params, optim=torch.optim.AdamW, group=None, broadcast_buffer_size=2**20, **defaults)``
-    takes the arguments of ``fairscale.optim.OSS``. ``params`` and ``defaults``
+    ``OSS(params, optim=torch.optim.SGD, group=None, broadcast_buffer_size=-1, broadcast_fp16=False,
+    force_broadcast_object=False, **defaults)`` takes the arguments of ``fairscale.optim.OSS``,
+    defaults included (SGD when ``optim`` is not given). ``params`` and ``defaults``
     are what you would give ``optim``. ``param_groups`` holds *every* parameter
     (so ``zero_grad``, LR schedulers and gradient clipping see the whole model);
     ``self.optim`` is the inner optimizer, built on this rank's partition only,
     and ``self.state`` is its state. ``broadcast_buffer_size`` (bytes): small
     parameters of one owner travel packed together in flat buffers up to this
     size, bigger ones alone; 0 broadcasts every parameter by itself, -1
-    (FairScale's "unset") means the default. ``force_broadcast_object`` is
+    (FairScale's "unset", the default) means 1 MiB. ``broadcast_fp16=True``
+    sends the updated parameters as fp16 (Ψ/2 bytes instead of Ψ for fp32) and
+    every rank, the owner too, keeps the fp16-rounded values, as FairScale
+    does, so the replicas stay identical. ``force_broadcast_object`` is
     accepted for FairScale's sake and changes nothing.
 
     Works in a world of one without a process group (then it is just ``optim``).
     """
 
-    def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 group: ProcessGroup | None = None, broadcast_buffer_size: int = 2**20,
+    def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+                 group: ProcessGroup | None = None, broadcast_buffer_size: int = -1,
                  broadcast_fp16: bool = False, force_broadcast_object: bool = False, **defaults: Any):
         if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
             raise TypeError(f"OSS(optim=...) takes an optimizer class such as torch.optim.AdamW, got {optim!r}")
-        if broadcast_fp16:
-            raise NotImplementedError("OSS(broadcast_fp16=True) is not implemented; leave it False "
-                                      "(parameters travel in their own dtype)")
-        if broadcast_buffer_size < 0:  # FairScale's "unset" (-1): our default
+        if broadcast_buffer_size < 0:  # FairScale's "unset" (-1): 1 MiB buckets
             broadcast_buffer_size = 2**20
+        self.broadcast_fp16 = broadcast_fp16
         del force_broadcast_object  # FairScale's switch for how state dicts travel; ours always serialise
         self._building = True  # Optimizer.__init__ calls add_param_group for every group
         super().__init__(params, defaults)
@@ -191,14 +200,17 @@ class OSS(torch.optim.Optimizer):
         for owner in range(self.world_size):
             src = _global_rank(self.group, owner)
             for bucket in self._buckets([p for g in self.partition[owner] for p in g["params"]]):
-                if len(bucket) == 1:  # big parameter: in place, no copy
+                half = self.broadcast_fp16 and bucket[0].is_floating_point()
+                if len(bucket) == 1 and not half:  # big parameter: in place, no copy
                     in_flight.append((comm.broadcast(bucket[0].data, src, self.group, async_op=True), None, None))
                     continue
                 flat = torch.cat([p.data.reshape(-1) for p in bucket])  # non-owners: overwritten below
+                flat = flat.half() if half else flat
                 in_flight.append((comm.broadcast(flat, src, self.group, async_op=True), flat, bucket))
         for handle, flat, bucket in in_flight:
             handle.wait()
-            if bucket is not None and self.rank != self.param_to_rank[bucket[0]]:
+            # the owner copies back too when the bucket went as fp16: every replica rounds alike
+            if bucket is not None and (self.broadcast_fp16 or self.rank != self.param_to_rank[bucket[0]]):
                 offset = 0
                 for p in bucket:
                     p.data.copy_(flat[offset:offset + p.numel()].view_as(p))

@@ -22,9 +22,12 @@ gradients of its own shard, ≈ 1/N of them:
     >>> opt.step(); opt.zero_grad()
 
 Bytes per step (comm's volume convention, Ψ = bytes of the parameters the
-OSS holds; ``bytes_per_step`` computes it): the reduces move Ψ (each gradient once) and the parameter broadcasts Ψ: **2Ψ**,
-the same as DDP's all-reduce, for 1/N of the gradient and optimizer memory.
-With ``shard_gradients=False`` the wrapper all-reduces instead: ZeRO-1, 3Ψ.
+OSS holds; ``estimate.comm_bytes_per_step(n_params, N, "zero2")`` computes
+it): the reduces move Ψ (each gradient once) and the parameter broadcasts Ψ:
+**2Ψ**, the same as DDP's all-reduce, for 1/N of the gradient and optimizer
+memory. With ``shard_gradients=False`` the wrapper all-reduces instead:
+ZeRO-1, 3Ψ. (The paper's ZeRO-2 is also 2Ψ, as a reduce-scatter plus an
+all-gather: the same volume, different collectives.)
 
 Why ``reduce`` and not a flat reduce-scatter? OSS owns *whole* parameters
 (greedy by size), so a rank's shard is not one contiguous slice of a flat
@@ -38,23 +41,24 @@ in autograd's order and must match across ranks); to accumulate gradients
 over micro-batches, run all but the last backward inside ``no_sync()``, and
 call ``zero_grad()`` between steps (a second synchronised backward would
 reduce the owner's already-averaged gradient again).
+
+Read first: ``oss.py`` (ZeRO-1, who owns which parameter); then this file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import warnings
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
 from .oss import OSS, _global_rank
 
-__all__ = ["ShardedDataParallel", "wrap_zero", "reduce", "bytes_per_step"]
+__all__ = ["ShardedDataParallel", "wrap_zero", "reduce"]
 
 
 reduce = comm.reduce  # kept as zero.reduce for readers of the by-hand lab code
@@ -63,11 +67,17 @@ reduce = comm.reduce  # kept as zero.reduce for readers of the by-hand lab code
 class ShardedDataParallel(nn.Module):
     """Wrap ``module`` so backward reduces each gradient to the rank whose ``OSS`` shard owns it.
 
-    Arguments follow FairScale: ``ShardedDataParallel(module, sharded_optimizer,
-    process_group=None, broadcast_buffers=True, sync_models_at_startup=True)``
-    (its ``reduce_buffer_size``, ``auto_refresh_trainable`` and
-    ``warn_on_trainable_params_changed`` are accepted and have no effect),
-    plus ``shard_gradients`` (False: all-reduce every gradient and keep it,
+    Arguments follow FairScale, positions and defaults too:
+    ``ShardedDataParallel(module, sharded_optimizer, process_group=None,
+    broadcast_buffers=True, sync_models_at_startup=True, reduce_buffer_size=2**23,
+    auto_refresh_trainable=True, reduce_fp16=False, warn_on_trainable_params_changed=True)``.
+    ``reduce_buffer_size`` (FairScale packs small gradients into buckets of
+    that size), ``auto_refresh_trainable`` and ``warn_on_trainable_params_changed``
+    are accepted and have no effect, except one: as in FairScale, a
+    ``reduce_buffer_size`` > 0 switches ``reduce_fp16`` off (with a warning).
+    ``reduce_fp16=True`` (with ``reduce_buffer_size=0``) sends each averaged
+    gradient as fp16 (half the bytes) and the owner casts it back.
+    Keyword-only extras: ``shard_gradients`` (False: all-reduce every gradient and keep it,
     i.e. ZeRO-1 with the same wrapper) and ``max_inflight_bytes``: at most
     this many bytes of gradients owned by other ranks wait for their reduce
     at any time (0: reduce each one synchronously), so during backward a
@@ -78,15 +88,18 @@ class ShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, sharded_optimizer: OSS | list[OSS],
                  process_group: ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 sync_models_at_startup: bool = True, shard_gradients: bool = True,
-                 max_inflight_bytes: int = 2**22, reduce_buffer_size: int = 0, auto_refresh_trainable: bool = True,
-                 reduce_fp16: bool = False, warn_on_trainable_params_changed: bool = True):
+                 sync_models_at_startup: bool = True, reduce_buffer_size: int = 2**23,
+                 auto_refresh_trainable: bool = True, reduce_fp16: bool = False,
+                 warn_on_trainable_params_changed: bool = True, *, shard_gradients: bool = True,
+                 max_inflight_bytes: int = 2**22):
         super().__init__()
-        if reduce_fp16:
-            raise NotImplementedError("ShardedDataParallel(reduce_fp16=True) is not implemented; leave it False "
-                                      "(gradients are reduced in their own dtype)")
-        # FairScale's bucketing of small gradients and trainability tracking: accepted, no effect here.
-        del reduce_buffer_size, auto_refresh_trainable, warn_on_trainable_params_changed
+        if reduce_fp16 and reduce_buffer_size > 0:  # FairScale does the same (its buckets stay fp32)
+            warnings.warn("ShardedDataParallel: fp16 gradient reduction is not compatible with reduction buffers; "
+                          "reduce_fp16 is deactivated (pass reduce_buffer_size=0 to reduce in fp16)", stacklevel=2)
+            reduce_fp16 = False
+        self.reduce_fp16 = reduce_fp16
+        # FairScale's trainability tracking: accepted, no effect here.
+        del auto_refresh_trainable, warn_on_trainable_params_changed
         optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
         if not optimizers or not all(isinstance(o, OSS) for o in optimizers):
             raise TypeError("ShardedDataParallel needs the OSS optimizer(s) that own the parameters: "
@@ -156,6 +169,8 @@ class ShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         p.grad.div_(self.world_size)  # average, not sum
+        if self.reduce_fp16:  # scale first, then round: FairScale's order
+            p.grad.data = p.grad.data.half()
         if self.shard_gradients:
             handle = reduce(p.grad, _global_rank(self.group, self._owner[p]), group=self.group, async_op=True)
         else:
@@ -180,6 +195,8 @@ class ShardedDataParallel(nn.Module):
             self._in_flight.pop(0)
             if self.shard_gradients and self._owner[p] != self.rank:
                 p.grad = None  # not ours: the owner has the average now
+            elif self.reduce_fp16:
+                p.grad.data = p.grad.data.to(p.dtype)
 
     def _finish(self) -> None:
         self._release(wait_until=-1)  # everything
@@ -202,21 +219,3 @@ def wrap_zero(model: nn.Module, stage: int, optim_cls: type[torch.optim.Optimize
     optimizer = OSS(trainable, optim=optim_cls, group=group, **optim_kwargs)
     wrapped = ShardedDataParallel(model, optimizer, process_group=group, shard_gradients=(stage == 2))
     return wrapped, optimizer
-
-
-def bytes_per_step(optimizer: OSS, stage: int) -> dict[str, int]:
-    """What the tracer should record per step and rank (volume convention), by collective.
-
-    Stage 1: all-reduce 2Ψ + broadcast Ψ; stage 2: reduce Ψ + broadcast Ψ;
-    nothing in a world of one. (``clip_grad_norm`` adds one fp32 all-reduce: 8 B.)
-
-    >>> bytes_per_step(opt, 2)      # gpt-tiny, 42880 fp32 parameters, 2 ranks
-    {'reduce': 171520, 'broadcast': 171520}
-    """
-    if optimizer.world_size == 1:
-        return {}
-    psi = sum(p.numel() * p.element_size() for p in optimizer.param_to_rank)
-    gradients = {1: {"all_reduce": 2 * psi}, 2: {"reduce": psi}}
-    if stage not in gradients:
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-    return {**gradients[stage], "broadcast": psi}
