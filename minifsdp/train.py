@@ -9,6 +9,7 @@ only a function that wraps the model and builds the optimizer:
     zero1/zero2 optimizer-state / gradient sharding          (minifsdp.zero)
     fsdp        fully sharded data parallel                  (minifsdp.fsdp)
     pp, pp+dp   pipeline parallel (gpipe | 1f1b | interleaved | zero-bubble),
+                torch-pp: the same with torch.distributed.pipelining,
                 x data-parallel replicas                     (minifsdp.pipeline)
     tp          Megatron tensor parallel (--tp N, --sequence-parallel)  (minifsdp.tensor_parallel)
     fsdp+tp     FSDP over --dp replicas of a --tp split model: 2D  (minifsdp.mesh)
@@ -181,13 +182,15 @@ def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
 
 @strategy("pp")
 @strategy("pp+dp")
+@strategy("torch-pp")
 def _pipeline(model: torch.nn.Module, cfg: TrainConfig):
     # This rank keeps only its stages; the loop calls wrapped.train_step(x, y), which
     # runs the schedule (forward and backward, micro-batch by micro-batch).
     from .pipeline import PipelineParallel
 
     wrapped = PipelineParallel(model, cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages,
-                               dp=cfg.dp if cfg.strategy == "pp+dp" else 1)
+                               dp=cfg.dp if cfg.strategy == "pp+dp" else 1,
+                               api="torch" if cfg.strategy == "torch-pp" else "minifsdp")
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
@@ -245,14 +248,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
-    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "tp", "fsdp+tp"):
+    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "torch-pp", "tp", "fsdp+tp"):
         raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
                          "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
-    if cfg.strategy in ("pp", "pp+dp"):
+    if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
         _validate_pipeline(cfg)
     if cfg.strategy in ("tp", "fsdp+tp"):
         _validate_tensor_parallel(cfg)
-    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "tp")
+    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "torch-pp", "tp")
            else cfg.world_size) * cfg.grad_accum
     if cfg.batch_size < per or cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of world size x grad accum = {per} "
@@ -533,7 +536,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     pipeline_world = a.pp * (a.dp if a.strategy == "pp+dp" else 1)
     model_world = {"tp": a.tp, "fsdp+tp": a.dp * a.tp}.get(a.strategy)
     world = a.world_size if a.world_size is not None else (
-        1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp") else model_world or 2)
+        1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp", "torch-pp") else model_world or 2)
     return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,
                        batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, lr=a.lr,
                        seed=a.seed, out=a.out, track_memory=not a.no_memory, timeout=a.timeout,

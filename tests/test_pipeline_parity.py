@@ -236,3 +236,36 @@ def test_bad_input_one_line_errors():
         launch(_bad_shape, 2, timeout=60)
     with pytest.raises(WorkerError, match=r"world size 2 != pp x dp = 2 x 2"):
         launch(lambda: __import__("minifsdp.pipeline").pipeline.pipeline_groups(2, 2), 2, timeout=60)
+
+
+# --------------------------------------------------------------------------
+# The trainer: --strategy pp / pp+dp / torch-pp keep single's losses
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("model,runs", [
+    ("gpt-tiny", [dict(strategy="pp", world_size=2, pp=2, schedule="1f1b", micro_batches=4),
+                  dict(strategy="pp", world_size=4, pp=4, schedule="zero-bubble", micro_batches=2),
+                  dict(strategy="pp", world_size=2, pp=2, schedule="interleaved", virtual_stages=2, micro_batches=8),
+                  dict(strategy="pp+dp", world_size=4, pp=2, dp=2, schedule="gpipe", micro_batches=2),
+                  dict(strategy="torch-pp", world_size=2, pp=2, schedule="1f1b", micro_batches=4)]),
+    ("gpt-small", [dict(strategy="pp", world_size=2, pp=2, schedule="1f1b", micro_batches=4)]),
+])
+def test_trainer_matches_single(tmp_path, model, runs):
+    from minifsdp.train import TrainConfig, train
+
+    base = dict(model=model, steps=2, batch_size=8, track_memory=False, write_plots=False, quiet=True)
+    ref = train(TrainConfig(strategy="single", out=str(tmp_path / "single"), **base))["losses"]
+    for k, kw in enumerate(runs):
+        losses = train(TrainConfig(out=str(tmp_path / str(k)), **kw, **base))["losses"]
+        assert losses == pytest.approx(ref, rel=TOL), (kw, losses, ref)
+
+
+def test_trainer_bad_input_names_the_fix(tmp_path):
+    from minifsdp.train import TrainConfig, validate
+
+    base = dict(model="gpt-tiny", out=str(tmp_path))
+    with pytest.raises(ValueError, match=r"runs pp x dp = 2 x 2 ranks: use --world-size 4"):
+        validate(TrainConfig(strategy="pp+dp", world_size=2, pp=2, dp=2, **base))
+    with pytest.raises(ValueError, match=r"must split into 1 replica\(s\) x 3 micro-batches: use a multiple of 3"):
+        validate(TrainConfig(strategy="pp", world_size=2, pp=2, micro_batches=3, **base))
+    with pytest.raises(ValueError, match=r"8 x 1 stages but gpt-tiny has 4 layers"):
+        validate(TrainConfig(strategy="pp", world_size=8, pp=8, batch_size=8, **base))

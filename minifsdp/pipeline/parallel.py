@@ -17,6 +17,10 @@ flat all-reduce, DDP's idea with a single bucket, issued after the last
 backward (a pipeline's backward is spread over the whole step, so there is
 little to overlap with on the first stages anyway).
 
+``api="torch"`` builds the same stages and schedule from
+``torch.distributed.pipelining`` instead (the same names, so only the module
+differs): the trainer's ``torch-pp``, for side-by-side runs in the benchmark.
+
 ``train_step(x, y)`` is what the trainer's loop calls instead of
 ``loss = lm_loss(model(x), y); loss.backward()``; it returns the replica's
 mean loss on every rank of the pipeline (broadcast from the last stage), so
@@ -24,6 +28,8 @@ the trainer's global mean is the same as ``--strategy single``'s.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.distributed as tdist
@@ -33,13 +39,13 @@ from .. import comm, dist, models
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                        ScheduleInterleavedZeroBubble)
 from .partition import split_gpt
-from .stage import PipelineStage
 
 __all__ = ["PipelineParallel", "SCHEDULE_CLASSES", "pipeline_groups"]
 
 SCHEDULE_CLASSES: dict[str, type[PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble}
+APIS = {"minifsdp": "minifsdp.pipeline", "torch": "torch.distributed.pipelining"}
 
 
 def pipeline_groups(pp: int, dp: int) -> tuple[tdist.ProcessGroup | None, tdist.ProcessGroup | None]:
@@ -64,14 +70,19 @@ class PipelineParallel(nn.Module):
 
     ``schedule``: gpipe | 1f1b | interleaved | zero-bubble; ``virtual_stages``
     (interleaved, zero-bubble) stages per rank; ``checkpoint``: always |
-    except_last | never; ``balance``: layers per stage (default: by parameter count).
+    except_last | never; ``balance``: layers per stage (default: by parameter count);
+    ``api``: minifsdp | torch (``torch.distributed.pipelining``'s classes, no checkpoint option).
     """
 
     def __init__(self, model: models.GPT, pp: int, n_microbatches: int, schedule: str = "1f1b",
-                 virtual_stages: int = 1, dp: int = 1, checkpoint: str = "never", balance: list[int] | None = None):
+                 virtual_stages: int = 1, dp: int = 1, checkpoint: str = "never", balance: list[int] | None = None,
+                 api: str = "minifsdp"):
         super().__init__()
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULE_CLASSES)}")
+        if api not in APIS or (api == "torch" and checkpoint != "never"):
+            raise ValueError(f"api={api!r}, checkpoint={checkpoint!r}: use api minifsdp or torch (torch: no checkpoint)")
+        lib = importlib.import_module(APIS[api])
         v = virtual_stages if schedule in ("interleaved", "zero-bubble") else 1
         if virtual_stages != 1 and v == 1:
             raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved or zero-bubble")
@@ -83,9 +94,9 @@ class PipelineParallel(nn.Module):
         mine = [s for s in range(pp * v) if s % pp == rank % pp]
         self.stage_modules = nn.ModuleList(parts[s] for s in mine)
         device = dist.device()
-        self.stages = [PipelineStage(parts[s], s, pp * v, device, group=self.pp_group, checkpoint=checkpoint)
-                       for s in mine]
-        cls = SCHEDULE_CLASSES[schedule]
+        extra = {"checkpoint": checkpoint} if api == "minifsdp" else {}
+        self.stages = [lib.PipelineStage(parts[s], s, pp * v, device, group=self.pp_group, **extra) for s in mine]
+        cls = getattr(lib, SCHEDULE_CLASSES[schedule].__name__)
         self.schedule = cls(self.stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else self.stages,
                             n_microbatches, loss_fn=models.lm_loss)
         self._last_rank = _global(self.pp_group, (pp * v - 1) % pp)
