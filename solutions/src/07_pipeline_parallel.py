@@ -243,6 +243,22 @@ plot.pipeline_schedule(Plan("my 1F1B", P, m, 1, yours), [rank_result[0][0] for r
                        title="your 1F1B: planned (top) and measured (bottom)")
 
 # %% [markdown]
+# And your 1F1B's measured bubble at m = 1, 2, 4, 8, beside GPipe's from section 2:
+
+# %%
+def my_plan(m):
+    return Plan("my 1F1B", P, m, 1, {r: [Action.parse(a) for a in acts] for r, acts in my_1f1b(P, m).items()})
+
+
+one_f_runs = launch(run_pipeline, P, [my_plan(m) for m in MS], timeout=180)
+print(f"{'m':>3}  {'your 1F1B':>9}  {'GPipe':>6}  {'plan':>6}  {'formula':>8}   (measured, measured, both plans)")
+for k, m in enumerate(MS):
+    mine_measured = my_measured_bubble([rank_result[k][0] for rank_result in one_f_runs])
+    gpipe_measured = my_measured_bubble([rank_result[k][0] for rank_result in gpipe_runs])
+    print(f"{m:>3}  {mine_measured:9.1%}  {gpipe_measured:6.1%}  {my_plan(m).bubble():6.1%}  "
+          f"{estimate.pipeline_bubble_fraction(P, m):8.1%}")
+
+# %% [markdown]
 # *Takeaway: the same gradients as one process, the same bubble as GPipe, and rank 0
 # holds p micro-batches instead of m - the tracker's peak shows it.*
 #
