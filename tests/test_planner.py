@@ -50,3 +50,16 @@ def test_each_dimension_divides_what_it_should():
     assert sum(sp.comm["tp"].values()) == pytest.approx(sum(tp.comm["tp"].values()), rel=0.05)
     assert z3.memory["optimizer"] == pytest.approx(base.memory["optimizer"] / 4, rel=0.01)
     assert "bytes" not in str(z3) and "moved per step over dp" in str(z3)
+
+
+def test_widget_and_figure():
+    from minifsdp import widgets
+
+    p = planner.plan("gpt-small", batch=8, dp=2, tp=2, zero_stage=3)
+    fig = widgets.planner_figure(p, cap_bytes=64 * 2**20)
+    assert {t.get_text() for t in fig.axes[1].get_yticklabels()} == {"tp", "dp"}
+    ui = widgets.planner_widget("gpt-mini", batch=8)
+    sliders = {c.description: c for box in ui.children[:2] for c in box.children}
+    assert set(sliders) >= {"dp", "tp", "pp", "micro-batches", "ZeRO stage", "precision"}
+    sliders["tp"].value = 3   # gpt-mini has 4 heads: the widget prints why (no exception escapes a callback)
+    sliders["tp"].value = 2
