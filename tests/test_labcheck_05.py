@@ -1,0 +1,114 @@
+"""The checks of lab 05 (minifsdp.labcheck.lab05): pass on the solution, fail in words otherwise.
+
+The learner's functions are the notebook's own cells (solutions/src/05_mixed_precision.py),
+exec'd into a fresh ``__main__`` namespace as a notebook runs them: as written (the
+solution), as the blank lab has them (``NotImplementedError``), or with one line changed
+(a typical mistake). Each check must pass on the first and raise ``CheckFailed`` with a
+one-line reason that names the mistake on the others.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from minifsdp.labcheck import lab05
+from minifsdp.labcheck.verdict import CheckFailed
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "solutions" / "src" / "05_mixed_precision.py"
+sys.path.insert(0, str(ROOT / "tools"))
+import notebooks as nbt  # noqa: E402
+
+
+def notebook(blank: bool = False, old: str = "", new: str = "") -> dict:
+    """The import cell and the cells that define the exercises and ``LossScaler``, run as a notebook would."""
+    text = SOURCE.read_text(encoding="utf-8")
+    assert old in text, f"the mistake no longer matches the notebook: {old!r}"
+    cells = [c.source for c in nbt.parse_source(text, SOURCE.name) if c.cell_type == "code"]
+    ns: dict = {"__name__": "__main__"}
+    for i, src in enumerate(cells):
+        if i and "# BEGIN SOLUTION" not in src and "class LossScaler" not in src:
+            continue
+        src = nbt.make_lab_source(src)[0] if blank and "# BEGIN SOLUTION" in src else src.replace(old, new)
+        exec(compile(src, f"<05 cell {i}>", "exec"), ns)
+    return ns
+
+
+def verdict(check, *args) -> str:
+    with pytest.raises(CheckFailed) as info:
+        check(*args)
+    message = str(info.value)
+    assert "\n" not in message.strip(), "a verdict is one line"
+    return message
+
+
+def test_solution_passes_every_check(capsys):
+    ns = notebook()
+    lab05.underflow(ns["underflow_fraction"])
+    lab05.unscale(ns["unscale_"])
+    lab05.update(ns["update_scale"])
+    lab05.rescue(ns["fp16_train_step"], ns["LossScaler"])
+    lab05.policy_bytes(ns["policy_bytes"])
+    out = capsys.readouterr().out
+    assert out.count("✅") == 5, out
+
+
+def test_blank_lab_is_not_written_yet():
+    ns = notebook(blank=True)
+    for check, args in ((lab05.underflow, ["underflow_fraction"]), (lab05.unscale, ["unscale_"]),
+                        (lab05.update, ["update_scale"]), (lab05.rescue, ["fp16_train_step", "LossScaler"]),
+                        (lab05.policy_bytes, ["policy_bytes"])):
+        assert "not written yet" in verdict(check, *(ns[a] for a in args))
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("lost = nonzero & (values.to(dtype) == 0)",
+     "lost = nonzero & (values.abs() < torch.finfo(dtype).smallest_normal)", "subnormals"),
+    ("return lost.sum().item() / nonzero.sum().item()", "return lost.sum().item() / values.numel()",
+     "divide by the number of *nonzero* values"),
+])
+def test_underflow_mistakes(old, new, words):
+    assert words in verdict(lab05.underflow, notebook(old=old, new=new)["underflow_fraction"])
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("        g.mul_(1.0 / scale)\n", "        g = g * (1.0 / scale)\n", "in place"),
+    ("not bool(torch.isfinite(g).all())", "bool(torch.isinf(g).any())", "inf *and* NaN"),
+    ("g.mul_(1.0 / scale)", "g.mul_(scale)", "too large"),
+])
+def test_unscale_mistakes(old, new, words):
+    assert words in verdict(lab05.unscale, notebook(old=old, new=new)["unscale_"])
+
+
+def test_unscale_tells_the_library_from_the_learner():
+    from minifsdp.mixed_precision import unscale_grads_
+    assert "library" in verdict(lab05.unscale, unscale_grads_)
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("return scale * growth_factor, 0", "return scale * growth_factor, tracker", "after growing"),
+    ("return scale * backoff_factor, 0", "return scale * backoff_factor, tracker", "starts again from 0"),
+    ("if tracker == growth_interval:", "if tracker == growth_interval + 1:", "growth_interval-th clean step"),
+])
+def test_update_mistakes(old, new, words):
+    assert words in verdict(lab05.update, notebook(old=old, new=new)["update_scale"])
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("(loss * scaler.scale).backward()", "loss.backward()", "multiply the loss by scaler.scale"),
+    ("            p16.copy_(p32)\n    scaler.update", "            pass\n    scaler.update", "copy the master back"),
+    ("    if not found_inf:\n        opt.step()", "    opt.step()", "skip optimizer.step()"),
+])
+def test_rescue_mistakes(old, new, words):
+    ns = notebook(old=old, new=new)
+    assert words in verdict(lab05.rescue, ns["fp16_train_step"], ns["LossScaler"])
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("is not None else param\n", "is not None else torch.float32\n", "reduce_dtype=None means"),
+    ("sum(numel * gathers for numel, gathers in units)", "sum(numel for numel, _ in units)", "once per gather"),
+])
+def test_policy_bytes_mistakes(old, new, words):
+    assert words in verdict(lab05.policy_bytes, notebook(old=old, new=new)["policy_bytes"])
