@@ -44,8 +44,7 @@ from .. import comm, dist, trace
 from ..mixed_precision.policy import cast_floating, check_dtype_supported, keep_fp32
 from . import full_params
 from . import state_dict as sd
-from .api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
-                  StateDictConfig, StateDictSettings, StateDictType)
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
 from .params import install_optimizer_check, managed_buffers, managed_params, materialize_meta
 from .strategy import HYBRID, groups, resolve_mixed_precision, resolve_offload, resolve_strategy
@@ -79,7 +78,7 @@ class _module_or_self:
         return bound
 
 
-class FullyShardedDataParallel(FSDPUnit):
+class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Same arguments and meaning as ``torch.distributed.fsdp.FullyShardedDataParallel``;
@@ -111,6 +110,8 @@ class FullyShardedDataParallel(FSDPUnit):
     * ``use_orig_params``: False (default): ``model.parameters()`` yields one flat
       shard per unit. True: the original parameters, each a 1-D view of its
       piece of the shard (per-parameter optimizer groups work).
+    * state dicts (``state_dict``, ``state_dict_type``, ``optim_state_dict``, ...): the methods
+      of ``state_dict.StateDictMethods``, torch's names and signatures.
     * ``param_init_fn``: a model built on the meta device is materialized before
       flattening, by ``param_init_fn(module)`` or ``reset_parameters()`` (``params.materialize_meta``).
     """
@@ -450,61 +451,6 @@ class FullyShardedDataParallel(FSDPUnit):
                 raise ValueError("a communication hook is already registered; register it once")
         for u in found:
             u._comm_hook = (state, hook)
-
-    # -- state dicts (state_dict.py) ------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return sd.state_dict(self, *args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        return sd.load_state_dict(self, state_dict, strict=strict)
-
-    @staticmethod
-    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
-                        state_dict_config: StateDictConfig | None = None,
-                        optim_state_dict_config: OptimStateDictConfig | None = None
-                        ) -> contextlib.AbstractContextManager:
-        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    @staticmethod
-    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
-                            state_dict_config: StateDictConfig | None = None,
-                            optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
-        return sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        return sd.get_state_dict_type(module)
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                         optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
-        return sd.optim_state_dict(model, optim, optim_state_dict)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False,
-                                 group: Any = None) -> dict[str, Any]:
-        """As torch: the optimizer's own format; ``load_directly=True`` also loads it into ``optim``."""
-        if is_named_optimizer:
-            raise NotImplementedError("is_named_optimizer=True (TorchRec's KeyedOptimizer / NamedOptimizer) is not "
-                                      "supported; pass a plain torch.optim optimizer")
-        result = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
-        if load_directly:
-            optim.load_state_dict(result)
-        return result
-
-    @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
-                              rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
-        """torch's older API: the full, name-keyed optimizer state (``{}`` off rank 0 with ``rank0_only``)."""
-        return sd.full_optim_state_dict(model, optim, rank0_only)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                      optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
-                                      group: Any = None) -> dict[str, Any]:
-        """torch's older API: rank 0's full optimizer state dict -> this rank's, ready for ``optim.load_state_dict``."""
-        return sd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
 
 # --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ would wait forever. ``unit.all_ranks_enter`` first meets the other ranks
 through the process group's key-value store, with a deadline, and names the
 ranks that never came.
 
-Read ``fully_sharded.py`` first: ``FSDP.state_dict`` and friends delegate here.
+Read ``fully_sharded.py`` first; FSDP gets the functions here as methods (``StateDictMethods``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimState
 from .full_params import summon_full_params
 from .unit import FSDPUnit, all_ranks_enter, clean_name, units
 
-__all__ = ["FlatShard", "set_state_dict_type", "get_state_dict_type", "state_dict_type", "state_dict",
+__all__ = ["FlatShard", "StateDictMethods", "set_state_dict_type", "get_state_dict_type", "state_dict_type", "state_dict",
            "load_state_dict", "optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict",
            "scatter_full_optim_state_dict", "save_sharded", "load_sharded"]
 
@@ -211,7 +211,7 @@ def _restore_buffer_dtypes(model: nn.Module, out: dict[str, Any]) -> None:
                 out[key] = out[key].to(dtype)
 
 
-def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True) -> Any:
+def load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
     """Load a FULL (any world size) or SHARDED (same world size) dict; names mismatched keys."""
     if _settings(model).state_dict_type == StateDictType.LOCAL_STATE_DICT:
         return nn.Module.load_state_dict(model, sd, strict)
@@ -319,10 +319,13 @@ def _flat_layout(h: Any, states: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                     osd: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The optimizer's state keyed by the unwrapped model's parameter names (torch's format)."""
-    osd = osd if osd is not None else optim.state_dict()
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any] | None = None,
+                     group: Any = None) -> dict[str, Any]:
+    """The optimizer's state keyed by the unwrapped model's parameter names (torch's format).
+
+    ``group`` is accepted for torch's signature; the units' own process groups are used.
+    """
+    osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
     kind, ocfg = _settings(model).state_dict_type, _settings(model).optim_state_dict_config
     full = kind != StateDictType.SHARDED_STATE_DICT
     if full:
@@ -366,14 +369,17 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     return {"state": state, "param_groups": groups}
 
 
-def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> dict[str, Any]:
-    """torch's ``FSDP.full_optim_state_dict``: ``optim_state_dict`` of type FULL (``{}`` off rank 0 if rank0_only)."""
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                          rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+    """torch's older ``FSDP.full_optim_state_dict``: ``optim_state_dict`` of type FULL (``{}`` off rank 0 with
+    ``rank0_only``). ``optim_input`` (deprecated in torch) is not needed: ``optim`` knows its parameters."""
     with state_dict_type(model, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=rank0_only)):
         return optim_state_dict(model, optim)
 
 
-def scatter_full_optim_state_dict(full_osd: dict[str, Any] | None, model: nn.Module, optim_input: Any = None,
-                                  optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                  optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
+                                  group: Any = None) -> dict[str, Any]:
     """torch's ``FSDP.scatter_full_optim_state_dict``: rank 0 holds ``full_optim_state_dict``'s result
     (other ranks pass None); every rank gets its own, ready for ``optim.load_state_dict``.
 
@@ -381,7 +387,7 @@ def scatter_full_optim_state_dict(full_osd: dict[str, Any] | None, model: nn.Mod
     than torch, which sends each rank only its piece. The parameter order is
     ``optim``'s, else ``optim_input``'s (parameters or groups), else ``model.parameters()``.
     """
-    osd = _broadcast_object(full_osd if dist.rank() == 0 else None, model)
+    osd = _broadcast_object(full_optim_state_dict if dist.rank() == 0 else None, model)
     if optim is not None:
         groups = optim.param_groups
     else:
@@ -409,9 +415,21 @@ def _broadcast_object(obj: Any, model: nn.Module) -> Any:
         return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu")
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
-    """Turn a (full or sharded) name-keyed optimizer state dict back into ``optim.load_state_dict``'s format."""
-    return _to_load(model, [list(g["params"]) for g in optim.param_groups], osd)
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                             is_named_optimizer: bool = False, load_directly: bool = False,
+                             group: Any = None) -> dict[str, Any]:
+    """Turn a (full or sharded) name-keyed optimizer state dict back into ``optim.load_state_dict``'s format.
+
+    ``load_directly=True`` also loads it into ``optim`` (as torch); a checkpoint that names
+    none of the optimizer's parameters raises instead of leaving the optimizer as it was.
+    """
+    if is_named_optimizer:
+        raise NotImplementedError("is_named_optimizer=True (TorchRec's KeyedOptimizer / NamedOptimizer) is not "
+                                  "supported; pass a plain torch.optim optimizer")
+    result = _to_load(model, [list(g["params"]) for g in optim.param_groups], optim_state_dict)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
 
 
 def _to_load(model: nn.Module, groups: list[list[torch.Tensor]], osd: dict[str, Any]) -> dict[str, Any]:
@@ -474,6 +492,24 @@ def _load_flat_layout(h: Any, prefix: str, osd: dict[str, Any]) -> dict[str, Any
         else:
             new[k] = v0.clone() if torch.is_tensor(v0) else v0
     return new
+
+
+# --------------------------------------------------------------------------
+# The methods FullyShardedDataParallel gets from this file
+# --------------------------------------------------------------------------
+class StateDictMethods:
+    """``FullyShardedDataParallel``'s checkpoint methods: the functions above, under torch's names
+    and signatures (``model.state_dict()``, ``FSDP.optim_state_dict(model, optim)``, ...)."""
+
+    state_dict = state_dict
+    load_state_dict = load_state_dict
+    state_dict_type = staticmethod(state_dict_type)
+    set_state_dict_type = staticmethod(set_state_dict_type)
+    get_state_dict_type = staticmethod(get_state_dict_type)
+    optim_state_dict = staticmethod(optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state_dict_to_load)
+    full_optim_state_dict = staticmethod(full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(scatter_full_optim_state_dict)
 
 
 # --------------------------------------------------------------------------
