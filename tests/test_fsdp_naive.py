@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minifsdp import WorkerError, comm, launch, models, trace
+from minifsdp import WorkerError, comm, dist, launch, models, trace
 from minifsdp.fsdp.naive import NaiveFullyShardedDataParallel
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -67,7 +67,7 @@ def _naive_worker(ref_grads):
             x, y = _batch(step)
             rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
             with trace.span("step"):
-                loss = models.lm_loss(model(x[rows]), y[rows])
+                loss = models.lm_loss(model(x[rows].to(dist.device())), y[rows].to(dist.device()))
                 loss.backward()
             assert not any(u.is_gathered() for u in model.units), "a unit is still gathered after backward"
             for unit, ref in zip(model.units, ref_grads[step]):
@@ -81,9 +81,9 @@ def _naive_worker(ref_grads):
             losses.append(total.item() / n)
     full = []
     for u in model.units:   # gather the final shards for the comparison
-        out = torch.empty(u.padded_numel)
+        out = torch.empty(u.padded_numel, device=dist.device())
         comm.all_gather_into_tensor(out, u.shard.detach())
-        full.append(out[:u.numel])
+        full.append(out[:u.numel].cpu())
     return {"losses": losses, "full": full, "grad_err": grad_err,
             "bytes": tracer.trace.bytes_by_op(within="step"),
             "padded": [u.padded_numel for u in model.units], "shards": [u.shard.numel() for u in model.units]}

@@ -2,12 +2,12 @@
 # edit this file, then run tools/make_labs.py.
 
 # %% [markdown]
-# # 04 - FSDP: shard the parameters too (ZeRO-3)
+# # 04 — FSDP: shard the parameters too (ZeRO-3)
 #
 # Lab 03 sharded the optimizer state and the gradients, but every rank still held
 # all the parameters. Fully Sharded Data Parallel removes that last copy: each rank
-# keeps `1/N` of every parameter, gradient and optimizer state, and a layer's full
-# weights exist only while that layer computes. This is ZeRO stage 3
+# keeps `1/N` of every parameter, gradient and optimizer state, and a unit's full
+# weights exist only while that unit computes. This is ZeRO stage 3
 # (Rajbhandari et al. 2020), as FairScale's `FullyShardedDataParallel` and PyTorch's
 # `torch.distributed.fsdp` (Zhao et al. 2023, "PyTorch FSDP") implement it:
 #
@@ -18,21 +18,31 @@
 # step:      each rank updates its own shard, with its own 1/N of the optimizer state
 # ```
 #
-# **Sections**: 1. exercise: FSDP for a toy MLP by hand (flatten, pad, shard,
-# all-gather, reduce-scatter), checked against one process at 1 to 4 ranks;
-# 2. `minifsdp.fsdp` on a GPT: the four sharding strategies side by side (memory,
-# bytes moved, time); 3. wrap policies: what becomes a unit; 4. backward prefetch on
-# a timeline; 5. save a checkpoint, resume in a fresh launch; 6. the same run with
-# PyTorch's own FSDP.
+# **You will be able to**: **build** FSDP's per-unit cycle on a multi-unit GPT — the
+# flat padded shard, a pre-forward hook that all-gathers a unit, a post-forward hook
+# that frees it, a pre-backward gather and a post-backward reduce-scatter — and show
+# it trains the same model as one process, moves exactly `3 x 4Ψ` bytes per step and
+# peaks where `minifsdp.fsdp` does; read the memory sawtooth of FULL_SHARD and
+# SHARD_GRAD_OP; choose a sharding strategy, a wrap policy and a prefetch mode;
+# checkpoint and resume at another world size.
 #
-# Everything runs on CPU processes with `gloo`; the same code runs on GPUs. Every
-# number is measured by the cell that prints it.
+# **Prerequisites**: labs 00–03 (collectives, memory anatomy, data parallel, ZeRO).
+# **Time**: about 75 minutes of work; the cells compute for about 1.5 minutes on a
+# laptop (CPU, `gloo`), less on GPUs (`nccl`, one rank per GPU; a 1- or 2-GPU VM runs
+# fewer ranks, see `dist.lab_world_size`).
+#
+# **Exercises** (your code between the markers, each followed by a one-call check):
+# 1. the flat, padded shard · 2. forward: gather before, free after (and the hooks
+# that say when) · 3. backward: gather again, reduce-scatter, free.
+#
+# Symbols (as in every lab): `Ψ` = number of parameters; `N` = world size; bytes are
+# written `4Ψ` (fp32 parameters), `12Ψ`, ...
 
 # %%
 import functools
+import inspect
 import math
 import os
-import statistics
 import tempfile
 import time
 import warnings
@@ -41,29 +51,36 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.distributed as tdist
+import torch.nn as nn
 import torch.nn.functional as F
 
 import minifsdp
-from minifsdp import comm, data, dist, estimate, models, plot, trace
+from minifsdp import comm, data, dist, estimate, memory, models, plot, trace
 from minifsdp.fsdp import (BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig, ModuleWrapPolicy,
                            ShardingStrategy, StateDictType, size_based_auto_wrap_policy)
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
+from minifsdp.labcheck import lab04 as check
 from minifsdp.train import TrainConfig, train
 
 # Small tensors: one compute thread per process is as fast, and several ranks can
 # share the cores without OpenMP threads spinning against each other.
 torch.set_num_threads(1)
 MiB, FP32 = 2**20, 4
+N2, N4 = dist.lab_world_size(2), dist.lab_world_size(4)   # fewer on a VM with fewer GPUs (one rank per GPU)
 notebook_start = time.perf_counter()
 
 # %% [markdown]
-# ## 1. Exercise: FSDP by hand
+# ## 1. Build it: FSDP's per-unit cycle
 #
-# The model is a `ToyMLP(dims=(6, 5, 3))`: `Linear(6, 5)`, ReLU, `Linear(5, 3)`. Its
-# four tensors hold 30 + 5 + 15 + 3 = **53** numbers, a prime: no world size
-# above 1 divides it. FSDP does not shard tensor by tensor; it concatenates a unit's
+# A **unit** is a group of parameters gathered together. Here, as in most FSDP
+# set-ups for transformers, every `Block` of a GPT is a unit and the *root* unit
+# holds the rest (embeddings, final LayerNorm, head). `gpt-tiny` has two blocks:
+# three units.
+#
+# **The flat shard.** FSDP does not shard tensor by tensor; it concatenates a unit's
 # tensors into **one flat vector**, pads it with zeros to a multiple of `N`, and
-# gives rank `r` the `r`-th of `N` equal chunks. With `N = 4`:
+# gives rank `r` the `r`-th of `N` equal chunks. A `Linear(6, 5)` and a
+# `Linear(5, 3)` hold 30 + 5 + 15 + 3 = 53 numbers; with `N = 4`:
 #
 # ```
 # flat     = [w1 x30 | b1 x5 | w2 x15 | b2 x3 | 0 0 0]     53 numbers + 3 zeros of padding = 56
@@ -72,117 +89,12 @@ notebook_start = time.perf_counter()
 # ```
 #
 # Equal chunks are not a nicety: `all_gather_into_tensor` and `reduce_scatter_tensor`
-# need the same size on every rank (gloo refuses anything else). One step of our
-# minimal FSDP:
+# need the same size on every rank (gloo refuses anything else).
 #
-# 1. `unshard`: all-gather the shards into the padded flat vector, cut the padding,
-#    and point the model's parameters at slices of it (views, no copy);
-# 2. forward and backward on the full parameters: every rank on its slice of the batch;
-# 3. `reduce_grad`: flatten the full gradients, pad, **reduce-scatter** (sum the
-#    ranks' gradients and hand each rank only its chunk), divide by `N`;
-# 4. free the full parameters and gradients (the model holds nothing between steps);
-#    each rank's optimizer updates its own shard.
+# ### Exercise 1: `shard_flat`
 #
-# (Real FSDP frees the full weights right after forward and all-gathers them again
-# in backward; this simple version keeps them from forward to backward. Section 2
-# measures the difference.)
-
-# %%
-TOY_DIMS, TOY_BATCH, TOY_STEPS, TOY_LR = (6, 5, 3), 12, 3, 0.1
-TOY_TARGET = torch.randn(TOY_DIMS[0], TOY_DIMS[-1], generator=torch.Generator().manual_seed(0))
-
-
-def toy_batch(step: int, batch: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Regression data for the ToyMLP: step `step`'s global batch, rows of this rank's slice."""
-    x = torch.randn(batch, TOY_DIMS[0], generator=torch.Generator().manual_seed(1000 + step))
-    y = x @ TOY_TARGET                       # a fixed linear map for the MLP to learn
-    rows = slice(rank * batch // world, (rank + 1) * batch // world)
-    return x[rows], y[rows]
-
-
-def toy_single(steps: int = TOY_STEPS) -> dict:
-    """The yardstick: one process, the whole batch, plain SGD."""
-    model = models.build_model("mlp", dims=TOY_DIMS)      # same seed, same weights everywhere
-    opt = torch.optim.SGD(model.parameters(), lr=TOY_LR)
-    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
-    out = {"start": flat(model.parameters()), "losses": []}
-    for step in range(steps):
-        x, y = toy_batch(step, TOY_BATCH)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        if step == 0:
-            out["grad0"] = flat(p.grad for p in model.parameters())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["end"] = flat(model.parameters())
-    return out
-
-
-toy_ref = toy_single()
-print(f"ToyMLP{TOY_DIMS}: {toy_ref['start'].numel()} parameters; one process, losses",
-      [f"{v:.6f}" for v in toy_ref["losses"]])
-
-# %% [markdown]
-# Here is the worker. After `shard_flat` it empties the model's parameters: between
-# steps each rank holds only its shard (`shard`, an `nn.Parameter` of
-# `⌈53/N⌉` numbers), and the optimizer is built on that shard alone. It calls the
-# three functions you write next.
-
-# %%
-def toy_fsdp_worker(steps: int) -> dict:
-    """Minimal FSDP of one unit (the whole ToyMLP) on this rank; returns what the check needs."""
-    rank, n = dist.rank(), dist.world_size()
-    model = models.build_model("mlp", dims=TOY_DIMS)
-    params = list(model.parameters())
-    shapes, sizes = [p.shape for p in params], [p.numel() for p in params]
-    numel = sum(sizes)
-    shard = torch.nn.Parameter(shard_flat(params, rank, n))
-    for p in params:                    # from now on the model holds nothing between steps
-        p.data = torch.empty(0)
-    opt = torch.optim.SGD([shard], lr=TOY_LR)     # the optimizer sees only this rank's shard
-    out = {"shard_numel": shard.numel(), "losses": []}
-    tracer = trace.Tracer(rank=rank)
-    with tracer:
-        for step in range(steps):
-            x, y = toy_batch(step, TOY_BATCH, rank, n)
-            with trace.span("step"):
-                full = unshard(shard.detach(), numel)               # 1. all-gather
-                if full.numel() != numel:
-                    raise ValueError(f"unshard returned {full.numel()} numbers, the model has {numel}: "
-                                     "cut the padding off (return output[:numel])")
-                for p, piece, shape in zip(params, full.split(sizes), shapes):
-                    p.data = piece.view(shape)                      #    parameters = views of `full`
-                loss = F.mse_loss(model(x), y)                      # 2. forward, backward
-                loss.backward()
-                shard.grad = reduce_grad([p.grad for p in params])  # 3. reduce-scatter / N
-                for p in params:                                    # 4. free full params and grads
-                    p.grad, p.data = None, torch.empty(0)
-                if step == 0:
-                    out["full0"], out["grad0"] = full.clone(), shard.grad
-                del full
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            total = loss.detach().reshape(1)
-            tdist.all_reduce(total)          # bookkeeping, outside the "step" span
-            out["losses"].append(total.item() / n)
-    out["end"] = unshard(shard.detach(), numel)
-    out["bytes"] = {op: b // steps for op, b in tracer.trace.bytes_by_op(within="step").items()}
-    return out
-
-# %% [markdown]
-# ### Your turn
-#
-# * `shard_flat(params, rank, world)`: concatenate the flattened tensors, pad with
-#   zeros to a multiple of `world`, return a copy of chunk number `rank`.
-# * `unshard(shard, numel)`: `comm.all_gather_into_tensor(output, shard)` fills
-#   `output` (of `world x shard.numel()` elements) with every rank's shard, rank 0's
-#   first; return the first `numel` elements (the padding cut off).
-# * `reduce_grad(grads)`: flatten and pad the full gradients the same way, then
-#   `comm.reduce_scatter_tensor(output, padded)` leaves in `output` the **sum** over
-#   ranks of chunk number `rank`. Return the **average**.
-#
-# `dist.rank()`, `dist.world_size()` give this rank and `N` inside a worker.
+# `shard_flat(params, rank, world)`: concatenate the flattened tensors, pad with
+# zeros to a multiple of `world`, return a (detached) copy of chunk number `rank`.
 
 # %%
 def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
@@ -192,127 +104,273 @@ def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tenso
     tensor([3., 4., 0.])
     """
     # BEGIN SOLUTION
-    # HINT: concatenate the tensors flattened (p.detach().reshape(-1)) in order; pad zeros at the end (F.pad) up to the next multiple of world (math.ceil); cut world equal chunks (.chunk) and return a copy of chunk number rank.
+    # HINT: the tensors flattened and concatenated in order, then zeros at the end up to the next multiple of world (math.ceil); world equal chunks; a detached copy of chunk number rank.
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     padded = math.ceil(flat.numel() / world) * world
     flat = F.pad(flat, (0, padded - flat.numel()))
     return flat.chunk(world)[rank].clone()
     # END SOLUTION
 
+# %%
+# CHECK: shard_flat on a 53-parameter MLP at N = 1, 2, 3, 4
+check.shard_flat(shard_flat)
 
-def unshard(shard: torch.Tensor, numel: int) -> torch.Tensor:
-    """All-gather every rank's shard; the full flat parameter without its padding."""
+# %% [markdown]
+# ### The scaffolding: a unit, and a model cut into units
+#
+# `Unit` holds one unit's state on one rank: its `shard` (an `nn.Parameter`, made by
+# your `shard_flat`; the optimizer sees only shards), the `slots` where its
+# parameters lived (`(module, attribute name, shape)`), and `full`, a flat tensor of
+# the padded size where the unit is gathered. The original parameters leave their
+# modules.
+#
+# `full` is created once and **never replaced**: its memory is released with
+# `full.untyped_storage().resize_(0)` (`unit.free()`) and given back with
+# `unit.allocate()`. Why: in forward, autograd saves the weights a layer used (a
+# `Linear` keeps its weight to compute its input's gradient) — views of `full`. If
+# `full` were a new tensor each time, backward would find the saved views pointing
+# at freed memory; with the same storage refilled before backward, they see the
+# weights again. (Write into it through `unit.full.data`, so autograd does not
+# mistake the refill for an in-place change of what it saved.)
+#
+# `shard_model(model, unit_types)` cuts the model into units, innermost first and the
+# root last, and calls your `install_hooks` on each.
+
+# %%
+class Unit:
+    """One FSDP unit on this rank: a flat padded shard, the slots of its parameters, and `full`."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]):
+        self.name, self.module = name, module
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.slots = [(m, attr, p.shape) for m, attr, p in params]
+        self.sizes = [p.numel() for _, _, p in params]
+        self.numel = sum(self.sizes)
+        self.padded_numel = math.ceil(self.numel / self.world) * self.world
+        device = dist.device()
+        self.shard = nn.Parameter(shard_flat([p.to(device) for _, _, p in params], self.rank, self.world))
+        self.full = torch.empty(self.padded_numel, device=device, requires_grad=True)
+        self.free()                          # at rest: no memory behind `full`
+        for m, attr, _ in params:            # the original parameters leave their modules
+            del m._parameters[attr]
+
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> None:
+        """Give `full` its memory back (contents undefined until you fill it)."""
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        for tracker in memory.active_trackers():      # name these bytes in memory plots
+            tracker.register(self.full, "unsharded_params")
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+
+def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
+    """Each submodule of `unit_types` becomes a unit (innermost first), the root takes the rest."""
+    subunits = [(name, m) for name, m in model.named_modules() if name and isinstance(m, tuple(unit_types))]
+    taken, units = set(), []
+    for name, m in subunits[::-1] + [("root", model)]:
+        params = [(owner, attr, p) for owner in m.modules() for attr, p in owner.named_parameters(recurse=False)
+                  if id(p) not in taken]
+        taken.update(id(p) for _, _, p in params)
+        unit = Unit(name, m, params)
+        install_hooks(unit)
+        units.append(unit)
+    return units
+
+# %% [markdown]
+# ### Exercise 2: forward — gather before, free after
+#
+# Four moments of a step need code, and torch has a hook for each:
+#
+# | moment | torch hook | calls |
+# |---|---|---|
+# | a unit's forward starts | `module.register_forward_pre_hook(fn)` | `fn(module, args)` |
+# | a unit's forward ended | `module.register_forward_hook(fn)` | `fn(module, args, output)` |
+# | the gradient of a unit's output is ready: its backward is next | `output.register_hook(fn)` (on a tensor) | `fn(grad)` |
+# | `unit.full.grad` holds the unit's whole gradient | `full.register_post_accumulate_grad_hook(fn)` | `fn(full)` |
+#
+# Write:
+#
+# * `gather(unit)`: if the unit is not gathered yet, allocate `full` and fill it with
+#   every rank's shard, `comm.all_gather_into_tensor(output, input)` (rank `r`'s shard
+#   lands at position `r`).
+# * `pre_forward(unit)`: gather, then put views of `full` where the parameters were:
+#   one `torch.split` of `full` by `unit.sizes` (plus the padding as a last piece),
+#   each piece `.view(shape)` and `setattr(module, attr, piece)` for each slot.
+# * `post_forward(unit, output)`: free the unit, and, if the output takes part in
+#   autograd (`output.requires_grad`), hook it so backward calls `pre_backward(unit)`
+#   (exercise 3).
+# * `install_hooks(unit)`: the two module hooks on `unit.module` calling
+#   `pre_forward` / `post_forward`, and the post-accumulate hook on `unit.full`
+#   calling `post_backward(unit)` (exercise 3).
+#
+# The check runs a forward of `gpt-tiny` cut into your units on 2 and 3 ranks (53
+# is not the only size that does not divide: at 3 ranks every unit is padded).
+# Target: one process's logits, every unit freed after forward, and `4Ψ` bytes
+# (plus padding) all-gathered, once.
+
+# %%
+def gather(unit: Unit) -> None:
+    """Allocate `unit.full` and all-gather every rank's shard into it (nothing if already gathered)."""
     # BEGIN SOLUTION
-    # HINT: the output buffer holds world size x shard.numel() elements of the shard's dtype (torch.empty); comm.all_gather_into_tensor fills it; the padding sits at its end.
-    output = torch.empty(dist.world_size() * shard.numel(), dtype=shard.dtype)
-    comm.all_gather_into_tensor(output, shard)
-    return output[:numel]
+    # HINT: unit.is_gathered(), unit.allocate(); the all-gather's output is the unit's full tensor (through .data), its input this rank's shard (detached).
+    if unit.is_gathered():
+        return
+    unit.allocate()
+    comm.all_gather_into_tensor(unit.full.data, unit.shard.detach())
     # END SOLUTION
 
 
-def reduce_grad(grads: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's chunk of the gradient, averaged over ranks."""
+def pre_forward(unit: Unit) -> None:
+    """Before the unit's forward: full parameters, and the modules pointing at pieces of them."""
     # BEGIN SOLUTION
-    # HINT: lay the gradients out exactly as shard_flat laid out the parameters (flat, zero-padded to a multiple of N = dist.world_size()); the output holds one chunk; comm.reduce_scatter_tensor(output, padded) SUMS over ranks.
-    n = dist.world_size()
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    padded = math.ceil(flat.numel() / n) * n
-    flat = F.pad(flat, (0, padded - flat.numel()))
-    output = torch.empty(padded // n, dtype=flat.dtype)
-    comm.reduce_scatter_tensor(output, flat)
-    return output / n
+    # HINT: gather first; one split of unit.full into the parameter sizes plus the padding; each slot's module gets its piece, reshaped, under the parameter's name (setattr).
+    gather(unit)
+    pieces = torch.split(unit.full, unit.sizes + [unit.padded_numel - unit.numel])
+    for (module, attr, shape), piece in zip(unit.slots, pieces):
+        setattr(module, attr, piece.view(shape))
+    # END SOLUTION
+
+
+def post_forward(unit: Unit, output: torch.Tensor) -> None:
+    """After the unit's forward: free its full parameters; make backward call pre_backward(unit) first."""
+    # BEGIN SOLUTION
+    # HINT: unit.free(); a hook on the output tensor runs when its gradient is ready, which is just before this unit's backward (only if the output requires grad).
+    unit.free()
+    if output.requires_grad:
+        output.register_hook(lambda grad: pre_backward(unit))
+    # END SOLUTION
+
+
+def install_hooks(unit: Unit) -> None:
+    """Register the unit's forward-pre, forward and post-accumulate-grad hooks."""
+    # BEGIN SOLUTION
+    # HINT: three registrations (see the table): two on unit.module, one on unit.full; each calls your function for this unit (a lambda that ignores the arguments torch passes).
+    unit.module.register_forward_pre_hook(lambda module, args: pre_forward(unit))
+    unit.module.register_forward_hook(lambda module, args, output: post_forward(unit, output))
+    unit.full.register_post_accumulate_grad_hook(lambda full: post_backward(unit))
+    # END SOLUTION
+
+
+def pre_backward(unit: Unit) -> None:   # exercise 3 (defined here so the forward can run first)
+    raise NotImplementedError("exercise 3: write pre_backward below")
+
+
+def post_backward(unit: Unit) -> None:  # exercise 3
+    raise NotImplementedError("exercise 3: write post_backward below")
+
+# %%
+# CHECK: a forward through your units on 2 and 3 ranks: one process's logits, every unit freed, Ψ gathered once
+check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks)
+
+# %% [markdown]
+# ### Exercise 3: backward — gather again, reduce-scatter, free
+#
+# * `pre_backward(unit)`: the unit's weights were freed after forward; backward needs
+#   them (and the views autograd saved point into `full`): gather again.
+# * `post_backward(unit)`: `unit.full.grad` holds this rank's gradient of the whole
+#   unit (padded flat layout, the padding's gradient zero). Take it off `full`
+#   (`unit.full.grad = None`), average it — `comm.reduce_scatter_tensor(output,
+#   input)` **sums** over ranks and leaves chunk `r` on rank `r` — into a tensor the
+#   shard's size, put that in `unit.shard.grad` (add to it if a gradient is already
+#   there), and free the unit.
+#
+# The check trains `gpt-tiny` for 3 steps (AdamW) at 1, 2, 3 and 4 ranks, then
+# `gpt-mini` for a step at 2 ranks under the memory tracker, beside
+# `minifsdp.fsdp.FullyShardedDataParallel`. Targets: one process's gradients, losses
+# and parameters (`1e-5` + `1e-4` relative); bytes per step exactly `3 x 4 B x` the
+# padded `Ψ`; the peak of a step within 25 % of the library's FSDP.
+
+# %%
+def pre_backward(unit: Unit) -> None:
+    """Backward of this unit is next: its full parameters must be back."""
+    # BEGIN SOLUTION
+    # HINT: the same gather as before forward (the views autograd saved point into unit.full).
+    gather(unit)
+    # END SOLUTION
+
+
+def post_backward(unit: Unit) -> None:
+    """The unit's full gradient is complete: this rank's averaged chunk into shard.grad; free the unit."""
+    # BEGIN SOLUTION
+    # HINT: read unit.full.grad and clear it; divide by the world size; the reduce-scatter's output has the shard's size and dtype; accumulate into unit.shard.grad if it is not None; then unit.free().
+    grad, unit.full.grad = unit.full.grad, None
+    chunk = torch.empty_like(unit.shard)
+    comm.reduce_scatter_tensor(chunk, grad.div_(unit.world))
+    if unit.shard.grad is None:
+        unit.shard.grad = chunk
+    else:
+        unit.shard.grad += chunk
+    unit.free()
     # END SOLUTION
 
 # %%
-# CHECK: shard_flat in this process, then the worker at 1, 2, 3 and 4 ranks against one process
-def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
-    padded = F.pad(flat, (0, math.ceil(flat.numel() / n) * n - flat.numel()))
-    return list(padded.chunk(n))
-
-
-def _check_shard_flat() -> None:
-    params = list(models.build_model("mlp", dims=TOY_DIMS).parameters())
-    flat = toy_ref["start"]
-    for n in (1, 2, 3, 4):
-        want = _chunks(flat, n)
-        got = [shard_flat(params, r, n) for r in range(n)]
-        sizes = [g.numel() for g in got]
-        if sizes != [want[0].numel()] * n:
-            raise AssertionError(
-                f"shard_flat at N={n}: shard sizes {sizes}, expected {n} x {want[0].numel()} (= ceil(53/{n})): "
-                "pad the flat vector with zeros to a multiple of N first, then cut N equal chunks")
-        if all(torch.equal(g, w) for g, w in zip(got, want)):
-            continue
-        if sorted(map(tuple, (g.tolist() for g in got))) == sorted(map(tuple, (w.tolist() for w in want))):
-            raise AssertionError(f"shard_flat at N={n}: the right chunks, given to the wrong ranks: rank r keeps "
-                                 "chunk number r (rank 0 the first), the order all_gather puts them back in")
-        if torch.equal(torch.cat(got)[:flat.numel()], flat):
-            raise AssertionError(f"shard_flat at N={n}: the parameters are right but the padding is not: "
-                                 "pad with zeros (F.pad), at the end of the flat vector")
-        raise AssertionError(f"shard_flat at N={n}: the shards put together are not the model's parameters "
-                             "(in model.parameters() order, each flattened with reshape(-1)) followed by zeros")
-
-
-_check_shard_flat()
-print("shard_flat: right at N = 1, 2, 3, 4")
-toy_runs = {n: minifsdp.launch(toy_fsdp_worker, n, TOY_STEPS, timeout=60) for n in (1, 2, 3, 4)}
-TOL = 1e-6     # fp32: N ranks add the gradient in another order than one process
-for n, results in toy_runs.items():
-    for r, out in enumerate(results):
-        where = f"{n} ranks, rank {r}"
-        full0 = out["full0"]
-        assert full0.numel() == 53, (f"{where}: unshard returned {full0.numel()} numbers, the model has 53: "
-                                     "cut the padding off (return output[:numel])")
-        if not torch.equal(full0, toy_ref["start"]):
-            hint = ("the shards came back in the wrong order: all_gather_into_tensor puts rank r's shard at "
-                    "position r, so each rank must hold chunk number r"
-                    if sorted(full0.tolist()) == sorted(toy_ref["start"].tolist()) else
-                    "it does not hold the model's starting parameters: all-gather every rank's shard")
-            raise AssertionError(f"{where}: unshard: {hint}")
-        assert out["grad0"] is not None and out["grad0"].numel() == out["shard_numel"], (
-            f"{where}: reduce_grad must return this rank's chunk of the gradient, {out['shard_numel']} numbers")
-        want = _chunks(toy_ref["grad0"], n)
-        if not torch.allclose(out["grad0"], want[r], atol=TOL):
-            if torch.allclose(out["grad0"], n * want[r], atol=TOL * n):
-                hint = (f"it is {n} x the right one: reduce_scatter SUMS over ranks, and each rank's loss is "
-                        "already a mean over its rows: divide by the world size")
-            elif any(torch.allclose(out["grad0"], c, atol=TOL) or torch.allclose(out["grad0"], n * c, atol=TOL * n)
-                     for c in want):
-                hint = "it is another rank's chunk: pad and chunk the gradient exactly like the parameters"
-            else:
-                hint = "flatten the gradients in parameter order, pad with zeros to a multiple of N, reduce-scatter"
-            raise AssertionError(f"{where}: the gradient shard after step 0 differs from one process's: {hint}")
-    losses, end = results[0]["losses"], results[0]["end"]
-    diff = max(abs(a - b) for a, b in zip(losses, toy_ref["losses"]))
-    assert diff <= TOL, f"{n} ranks: losses differ from one process by {diff:.1e} (> {TOL})"
-    diff = (end - toy_ref["end"]).abs().max().item()
-    assert diff <= TOL, (f"{n} ranks: after {TOY_STEPS} steps the parameters differ from one process by {diff:.1e}: "
-                         "every rank must step its shard with its own gradient chunk")
-print(f"minimal FSDP: losses, gradients and parameters equal one process (|diff| <= {TOL}) at 1, 2, 3, 4 ranks")
+# CHECK: whole steps at 1, 2, 3, 4 ranks against one process; 3Ψ bytes; the peak beside minifsdp's FSDP
+check.fsdp_cycle(shard_model, pre_backward, post_backward)
 
 # %% [markdown]
-# What each rank kept, and what moved per step (as `comm` recorded it: the gathered
-# output of an all-gather, the input of a reduce-scatter):
+# **Your sawtooth.** Memory over one training step of `gpt-mini` (4 blocks + root) on
+# rank 0, measured by the check with `MemoryTracker` (lab 01): your units, then
+# `minifsdp.fsdp` with FULL_SHARD (what you built, plus prefetch) and with
+# SHARD_GRAD_OP (units kept gathered from forward to backward). The other rank's
+# total is the thin line.
+
+# %%
+cyc = check.results["FSDP cycle"]
+fig, axes = plt.subplots(1, 3, figsize=(11, 3.0), sharey=True)
+for ax, (who, label) in zip(axes, (("learner", "yours"), ("FULL_SHARD", "minifsdp FULL_SHARD"),
+                                   ("SHARD_GRAD_OP", "minifsdp SHARD_GRAD_OP"))):
+    ranks = cyc["memory"][who]
+    plot.memory(ranks[0]["samples"], ax=ax, unit="MiB", title=label)
+    for r, out in enumerate(ranks[1:], start=1):
+        t0_r = out["samples"][0].time
+        ax.plot([(m.time - t0_r) * 1e3 for m in out["samples"]], [m.total / MiB for m in out["samples"]],
+                lw=0.8, color="gray", label=f"rank {r} total")
+    if who != "SHARD_GRAD_OP":
+        ax.get_legend().remove()
+    ax.set_ylabel("live MiB" if who == "learner" else "")
+axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+axes[0].set_ylim(0, 1.15 * max(o["peak"] for w in cyc["memory"] for o in cyc["memory"][w]) / MiB)
+fig.suptitle(f"gpt-mini, one training step on rank 0 of {cyc['world_size']} (grey: the other rank's total)",
+             fontsize=10)
+plt.tight_layout()
+plt.show()
+print(f"{'':24}{'peak MiB':>9}{'unsharded params at the peak (MiB)':>36}")
+for who in ("learner", "FULL_SHARD", "SHARD_GRAD_OP"):
+    top = max(cyc["memory"][who], key=lambda o: o["peak"])
+    print(f"{who:<24}{top['peak'] / MiB:>9.2f}{top['peak_by_category'].get('unsharded_params', 0) / MiB:>36.2f}")
+
+# %% [markdown]
+# *Takeaway: every unit's full weights (the `unsharded_params` teeth) exist only
+# while the unit computes — in forward and again in backward — whereas SHARD_GRAD_OP
+# keeps them from forward to backward and its peak holds the whole model.*
+#
+# Your bytes, unit by unit: each unit moved its padded size three times (gathered in
+# forward, gathered in backward, its gradient reduce-scattered).
 
 # %%
 # NBVAL_CHECK_OUTPUT
-numel = toy_ref["start"].numel()
-print(f"{'N':>2}{'shard (numbers)':>17}{'padding':>9}{'all_gather B':>14}{'reduce_scatter B':>18}")
-for n, results in toy_runs.items():
-    shard = results[0]["shard_numel"]
-    moved = results[0]["bytes"]
-    assert shard == estimate.shard_numel(numel, n)
-    print(f"{n:>2}{shard:>17}{n * shard - numel:>9}{moved.get('all_gather', 0):>14}"
-          f"{moved.get('reduce_scatter', 0):>18}")
+print(f"{'unit':<10}{'parameters':>12}{'padded':>9}{'shard':>8}")
+for name, numel, padded, shard in cyc["units"]:
+    print(f"{name:<10}{numel:>12,}{padded:>9,}{shard:>8,}")
+padded_b = FP32 * sum(p for _, _, p, _ in cyc["units"])
+print(f"{N4} ranks, one step: {cyc['bytes']} = 3 x {padded_b:,} B (4 B x Ψ padded): "
+      f"{sum(cyc['bytes'].values()) == 3 * padded_b}")
 
 # %% [markdown]
-# The shard is `⌈Ψ/N⌉` (`estimate.shard_numel`), never more than `N - 1` numbers of
-# padding. Each step moved the padded model twice: `Ψ` gathered, `Ψ` reduce-scattered
-# (at `N = 1` the same calls run, on one rank). That is the `2Ψ` of DDP and ZeRO-2,
-# while a rank holds only its shard between steps. This version keeps the full
-# weights from forward to backward (what SHARD_GRAD_OP does); FULL_SHARD frees them
-# after each unit's forward to lower the peak, and gathers them again in backward:
-# `3Ψ`.
+# The library keeps this same cycle, minus every option, in `minifsdp/fsdp/naive.py`
+# (`NaiveFullyShardedDataParallel`, tested against one process in
+# `tests/test_fsdp_naive.py`); `fsdp/flat_param.py` and `fsdp/fully_sharded.py` add
+# the strategies, prefetch, mixed precision and state dicts. Its four hooks:
+
+# %%
+from minifsdp.fsdp import naive  # noqa: E402
+
+for fn in (naive.pre_forward, naive.post_forward, naive.pre_backward, naive.post_backward):
+    print(inspect.getsource(fn))
 
 # %% [markdown]
 # ## 2. `minifsdp.fsdp` on a GPT: four sharding strategies
@@ -320,8 +378,8 @@ for n, results in toy_runs.items():
 # `minifsdp.fsdp.FullyShardedDataParallel` is the real thing, with PyTorch's
 # arguments: one flat parameter per **unit** (here: each transformer `Block`, and the
 # root for the rest), hooks that gather a unit just before it computes and free it
-# just after, gradients reduce-scattered while backward continues. Its
-# `sharding_strategy`:
+# just after, gradients reduce-scattered while backward continues: your cycle, plus
+# prefetch, mixed precision, state dicts. Its `sharding_strategy`:
 #
 # | strategy | parameters between steps | after forward | gradients | collectives per step |
 # |---|---|---|---|---|
@@ -334,12 +392,14 @@ for n, results in toy_runs.items():
 # across nodes, so only the all-reduce of a shard crosses the slow network. Here
 # `S = 2` of 4 ranks.
 #
-# The trainer runs each one on `gpt-mini` (3.3M parameters, 4 blocks) at 4 ranks,
-# with the memory tracker of lab 01 and the tracer.
+# The trainer (`python -m minifsdp.train` from a shell) runs each one on `gpt-mini`
+# (3.3M parameters, 4 blocks) at 4 ranks (fewer on a small GPU VM), with the memory tracker of lab 01 and the
+# tracer.
 
 # %%
-GPT_MODEL, WORLD, STEPS, BATCH, SEQ = "gpt-mini", 4, 3, 4, 16
-STRATEGY_NAMES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+GPT_MODEL, WORLD, STEPS, BATCH, SEQ = "gpt-mini", N4, 2, 4, 16
+# HYBRID_SHARD needs two groups of at least two ranks
+STRATEGY_NAMES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] + (["HYBRID_SHARD"] if WORLD >= 4 else [])
 
 
 def run_trainer(strategy: str = "fsdp", world_size: int = WORLD, **options) -> dict:
@@ -355,7 +415,7 @@ t0 = time.perf_counter()
 runs = {"single": run_trainer("single", world_size=1)}
 for s in STRATEGY_NAMES:
     runs[s] = run_trainer(sharding_strategy=s)
-print(f"single + 4 strategies x {WORLD} ranks x {STEPS} steps: {time.perf_counter() - t0:.1f} s")
+print(f"single + {len(STRATEGY_NAMES)} strategies x {WORLD} ranks x {STEPS} steps: {time.perf_counter() - t0:.1f} s")
 for s in STRATEGY_NAMES:
     diff = max(abs(a - b) for a, b in zip(runs[s]["losses"], runs["single"]["losses"]))
     print(f"{s:<14} max |loss - single| = {diff:.1e}")
@@ -378,12 +438,14 @@ def peak_row(m: dict) -> tuple[int, dict]:
     return m["peak_bytes"][r], m["peak_by_category"][r]
 
 
-print(f"{'MiB at the peak':<15}{'peak':>7}" + "".join(f"{c.replace('unsharded_', 'unsh. '):>12}" for c in CATS)
-      + f"{'step ms':>9}")
+SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "unsharded_params": "unsh.params",
+         "unsharded_grads": "unsh.grads", "activations": "activ.", "temporary": "temp."}
+print("MiB at the peak of a step (rank with the highest peak)")
+print(f"{'':<14}{'peak':>7}" + "".join(f" {SHORT[c]:>11}" for c in CATS) + f" {'step ms':>8}")
 for s in ["single"] + STRATEGY_NAMES:
     peak, cats = peak_row(runs[s])
-    print(f"{s:<15}{peak / MiB:>7.1f}" + "".join(f"{cats.get(c, 0) / MiB:>12.2f}" for c in CATS)
-          + f"{1e3 * runs[s]['median_step_time_s'][0]:>9.0f}")
+    print(f"{s:<14}{peak / MiB:>7.1f}" + "".join(f" {cats.get(c, 0) / MiB:>11.2f}" for c in CATS)
+          + f" {1e3 * runs[s]['median_step_time_s'][0]:>8.0f}")
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 3.2))
@@ -401,6 +463,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# *Takeaway: sharding divides the parameter and optimizer bars by N; what is left at
+# the peak is the units unsharded at that moment, activations and scratch.*
+#
 # Reading the bars: NO_SHARD is DDP behind FSDP's API, every rank holding the full
 # parameters, gradients and AdamW state (its peak, like one process's, comes in the
 # optimizer step, whose scratch counts as `optimizer`). The sharded strategies keep
@@ -437,46 +502,31 @@ for s in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
 psi = runs["single"]["n_params"]
 psi_b = FP32 * psi
 S = WORLD // 2
-
-
-def unit_sizes(model_name: str) -> dict[str, int]:
-    """Parameters per FSDP unit with ModuleWrapPolicy({Block}): each block, and the root."""
-    model = models.build_model(model_name)
-    sizes = {f"blocks.{i}": models.count_parameters(b) for i, b in enumerate(model.blocks)}
-    sizes["root"] = models.count_parameters(model) - sum(sizes.values())
-    return sizes
-
-
-units = unit_sizes(GPT_MODEL)
-root_b = FP32 * estimate.padded_numel(units["root"], WORLD)
-formula = {s: estimate.comm_bytes_per_step(psi, WORLD, s.lower(), ring=False)["total"]
-           for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
-formula["HYBRID_SHARD"] = 3 * psi_b + 2 * psi_b / S
-print(f"Psi = {psi:,} parameters = {psi_b / MiB:.2f} MiB; root unit {units['root']:,} parameters")
-print(f"{'':14}{'measured MiB':>13}{'in Psi':>8}{'formula':>9}   by collective (MiB)")
+block_numels, root_numel = estimate.fsdp_unit_numels(models.build_model(GPT_MODEL, device="meta"), (models.Block,))
+print(f"Ψ = {psi:,} parameters = {psi_b / MiB:.2f} MiB in fp32; root unit {root_numel:,} parameters")
+print(f"{'':14}{'measured MiB':>13}{'in 4Ψ':>8}{'paper':>7}{'exact MiB':>11}   by collective (MiB)")
 for s in STRATEGY_NAMES:
     moved = runs[s]["bytes_per_step"][0]
-    assert all(m == moved for m in runs[s]["bytes_per_step"]), "ranks moved different bytes"
     total = sum(moved.values())
+    exact = estimate.comm_bytes_per_step(block_numels, WORLD, s.lower(), root_numel=root_numel,
+                                         shard_size=S if s == "HYBRID_SHARD" else None)["total"]
+    paper = f"{estimate.paper_comm_bytes(psi, s.lower()) // psi_b}x" if s != "HYBRID_SHARD" else "-"
     ops = ", ".join(f"{op} {b / MiB:.2f}" for op, b in sorted(moved.items()))
-    print(f"{s:<14}{total / MiB:>13.2f}{total / psi_b:>7.2f}x{formula[s] / psi_b:>8.2f}x   {ops}")
-    if s in ("FULL_SHARD", "HYBRID_SHARD"):   # the root unit is gathered once, not twice (below)
-        assert total == formula[s] - root_b, (s, total, formula[s] - root_b)
-    else:
-        assert total == formula[s], (s, total, formula[s])
-print(f"FULL_SHARD and HYBRID_SHARD: formula - root's second all-gather ({root_b / MiB:.2f} MiB) = measured, "
-      "to the byte")
+    print(f"{s:<14}{total / MiB:>13.2f}{total / psi_b:>7.2f}x{paper:>7}{exact / MiB:>11.2f}   {ops}"
+          f"{'' if total == exact else '   <- differs from the exact count'}")
 
 # %% [markdown]
-# SHARD_GRAD_OP and NO_SHARD meet the formula to the byte. FULL_SHARD (and
-# HYBRID_SHARD) measure slightly *less* than `3Ψ`: the root unit (embeddings, final
+# Every strategy meets `estimate.comm_bytes_per_step` to the byte (padding included).
+# SHARD_GRAD_OP and NO_SHARD meet the paper's `2 x 4Ψ` too. FULL_SHARD (and
+# HYBRID_SHARD) measure slightly *less* than `3 x 4Ψ`: the root unit (embeddings, final
 # norm, head) is the first one backward needs, so FSDP does not free it after
 # forward, exactly as PyTorch does, and it is gathered once per step instead of
-# twice. HYBRID_SHARD moves the most bytes in total, but only its all-reduce crosses
+# twice (your version in section 1 frees the root too, and moves exactly `3 x 4Ψ`,
+# padding aside). HYBRID_SHARD moves the most bytes in total, but only its all-reduce crosses
 # between groups: on real machines that is the part that travels over the slow
 # network, and it is `2Ψ/S`, not `2Ψ`.
 #
-# ## 3. Wrap policies: what becomes a unit
+# ## 3. Optional deep dive: wrap policies, what becomes a unit
 #
 # A unit is what FSDP gathers at once. The `auto_wrap_policy` decides, module by
 # module, which submodules get their own FSDP wrapper (the names mirror
@@ -533,15 +583,16 @@ for name in POLICIES:
 # The size policy looks inside each block (790k parameters): the attention's `c_attn`
 # and the MLP's `c_fc` and `c_proj` pass 100k on their own and become units; what is
 # left of the block (the LayerNorms and the attention's 65k `c_proj`) never reaches
-# 100k, so it stays with the root. Now the same training run under each policy
-# (FULL_SHARD, 4 ranks; `"block"` is section 2's run):
+# 100k, so it stays with the root. Now the same training run with the whole model as
+# one unit (`"none"`, FULL_SHARD, 4 ranks; `"block"` is section 2's run). The
+# `"size"` run is one line away (`wrap="size"`) if you want its peak too.
 
 # %%
 t0 = time.perf_counter()
 wrap_runs = {"block": runs["FULL_SHARD"]}
-for name in ("size", "none"):
+for name in ("none",):
     wrap_runs[name] = run_trainer(sharding_strategy="FULL_SHARD", wrap=name)
-print(f"2 more runs: {time.perf_counter() - t0:.1f} s")
+print(f"1 more run: {time.perf_counter() - t0:.1f} s")
 print(f"{'wrap':<7}{'units':>6}{'largest unit':>14}{'peak MiB':>10}{'unsharded params':>18}"
       f"{'all_gather MiB':>16}{'step ms':>9}")
 for name, m in wrap_runs.items():
@@ -572,7 +623,7 @@ assert vs_block > 1.5, f"the text below says one unit peaks far above one unit p
 # latency. All three runs train the same model (losses within `1e-5` of one
 # process).
 #
-# ## 4. Prefetch: when the next all-gather starts
+# ## 4. Optional deep dive: prefetch, when the next all-gather starts
 #
 # In backward the units run in reverse order, and each needs its full weights
 # again. If FSDP asks for them only when the unit starts, every unit waits for
@@ -604,7 +655,7 @@ PF_CONFIGS = {"BACKWARD_PRE": dict(backward_prefetch=BackwardPrefetch.BACKWARD_P
 
 def prefetch_worker(model_name: str, batch: int, seq_len: int, configs: dict, steps: int = 2) -> dict:
     """Per setting: this rank's trace of `steps` FSDP training steps and the root's prefetch stats."""
-    rank, n = dist.rank(), dist.world_size()
+    rank, n, device = dist.rank(), dist.world_size(), dist.device()
     out = {}
     for name, kwargs in configs.items():
         kwargs = dict(kwargs)
@@ -617,7 +668,7 @@ def prefetch_worker(model_name: str, batch: int, seq_len: int, configs: dict, st
                 x, y = data.get_batch(step, batch, seq_len, rank=rank, world_size=n)
                 with trace.span("step", step=step):
                     with trace.span("forward", step=step):
-                        loss = models.lm_loss(model(x), y)
+                        loss = models.lm_loss(model(x.to(device)), y.to(device))
                     with trace.span("backward", step=step):
                         loss.backward()
                     with trace.span("optimizer", step=step):
@@ -629,8 +680,8 @@ def prefetch_worker(model_name: str, batch: int, seq_len: int, configs: dict, st
 
 
 t0 = time.perf_counter()
-pf_runs = minifsdp.launch(prefetch_worker, 2, GPT_MODEL, BATCH, SEQ, PF_CONFIGS, timeout=120)
-print(f"{len(PF_CONFIGS)} settings x 2 steps on 2 ranks: {time.perf_counter() - t0:.1f} s")
+pf_runs = minifsdp.launch(prefetch_worker, N2, GPT_MODEL, BATCH, SEQ, PF_CONFIGS, timeout=120)
+print(f"{len(PF_CONFIGS)} settings x 2 steps on {N2} ranks: {time.perf_counter() - t0:.1f} s")
 
 # %% [markdown]
 # Where did each backward all-gather start? For every unit after the first in
@@ -686,13 +737,13 @@ def backward_view(tr: trace.Trace, step: int = 1) -> trace.Trace:
     return trace.Trace(rank=tr.rank, spans=[bwd] + blocks + [s for s in inside if s.name == "all_gather"])
 
 
-fig, axes = plt.subplots(3, 1, figsize=(12, 9))
+fig, axes = plt.subplots(3, 1, figsize=(10, 6.6))
 for ax, name in zip(axes, ("BACKWARD_PRE", "BACKWARD_POST", "none")):
     views = [backward_view(r[name]["trace"]) for r in pf_runs]
     t_zero = min(s.start for v in views for s in v.spans)      # plot.timeline's time zero
     bwd_ms = [((v.spans[0].start - t_zero) * 1e3, (v.spans[0].end - t_zero) * 1e3) for v in views]
     plot.timeline(views, ax=ax, window=(min(a for a, _ in bwd_ms) - 1, max(b for _, b in bwd_ms) + 1),
-                  title=f"backward_prefetch={name}: backward of step 2 (gpt-mini, FULL_SHARD, 2 ranks)")
+                  title=f"backward_prefetch={name}: backward of step 2 ({GPT_MODEL}, FULL_SHARD, {N2} ranks)")
 fig.tight_layout()
 plt.show()
 
@@ -728,7 +779,7 @@ assert same
 # CPU issues work far ahead of the GPU, and without a bound it could start the
 # all-gathers of many units and fill the memory with them before the GPU gets there.
 #
-# ## 5. Checkpoints: save a full state dict, resume in a fresh launch
+# ## 5. Optional deep dive: checkpoints, save a full state dict and resume in a fresh launch
 #
 # `FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, ...)` makes
 # `model.state_dict()` gather every unit and return the *unwrapped* model's keys
@@ -747,13 +798,13 @@ CK_STEPS, CK_SAVE_AT = 4, 2
 
 def checkpoint_worker(path: str, resume: bool) -> dict:
     """Train gpt-mini with FSDP; save a FULL checkpoint before step CK_SAVE_AT, or resume from it."""
-    rank, n = dist.rank(), dist.world_size()
+    rank, n, device = dist.rank(), dist.world_size(), dist.device()
     model = FSDP(models.build_model(GPT_MODEL, seed=7 if resume else 0),
                  auto_wrap_policy=ModuleWrapPolicy({models.Block}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     first, out = 0, {"losses": {}}
     if resume:
-        ckpt = torch.load(path, weights_only=False)            # every rank reads the whole file
+        ckpt = torch.load(path, map_location=device, weights_only=False)   # every rank reads the whole file
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             model.load_state_dict(ckpt["model"])                # each rank keeps its shard of it
             opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, ckpt["optim"]))
@@ -770,7 +821,7 @@ def checkpoint_worker(path: str, resume: bool) -> dict:
                 out["first_key"] = next(iter(full["model"]))
             out["held_bytes"] = sum(t.nbytes for t in full["model"].values())   # 0 off rank 0
         x, y = data.get_batch(step, BATCH, SEQ, rank=rank, world_size=n)
-        loss = models.lm_loss(model(x), y)
+        loss = models.lm_loss(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -783,10 +834,10 @@ def checkpoint_worker(path: str, resume: bool) -> dict:
 t0 = time.perf_counter()
 with tempfile.TemporaryDirectory() as ck_dir:
     ck_path = os.path.join(ck_dir, "full.pt")
-    run_a = minifsdp.launch(checkpoint_worker, 2, ck_path, False, timeout=120)
+    run_a = minifsdp.launch(checkpoint_worker, N2, ck_path, False, timeout=120)
     ck_size = os.path.getsize(ck_path)
-    run_b = minifsdp.launch(checkpoint_worker, 2, ck_path, True, timeout=120)
-    run_c = minifsdp.launch(checkpoint_worker, 4, ck_path, True, timeout=120)
+    run_b = minifsdp.launch(checkpoint_worker, N2, ck_path, True, timeout=120)
+    run_c = minifsdp.launch(checkpoint_worker, N4, ck_path, True, timeout=120)
 print(f"3 launches in {time.perf_counter() - t0:.1f} s; checkpoint file {ck_size / MiB:.2f} MiB "
       f"({run_a[0]['keys']} tensors, first key {run_a[0]['first_key']!r}); "
       f"gathered bytes held by rank 0: {run_a[0]['held_bytes']:,}, rank 1: {run_a[1]['held_bytes']:,}")
@@ -814,7 +865,7 @@ assert diff_b == 0.0 and diff_c <= 1e-5
 # sharded folder, model and optimizer, that loads at any world size.
 # `tests/test_fsdp_state_dict.py` covers all three.)
 #
-# ## 6. The same run with PyTorch's FSDP
+# ## 6. Optional deep dive: the same run with PyTorch's FSDP
 #
 # `strategy="torch-fsdp"` wraps the same model with
 # `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1, which runs on CPU with
@@ -850,9 +901,10 @@ assert ours_moved == torch_moved, "minifsdp and torch FSDP should move the same 
 #
 # **Summary.** FSDP keeps `1/N` of every parameter, gradient and optimizer state
 # per rank, in one flat padded shard per unit, and gathers a unit only while it
-# computes: you built that for one unit and matched one process at 1 to 4 ranks.
-# The sharding strategies trade memory for bytes (`3Ψ` FULL_SHARD, `2Ψ`
-# SHARD_GRAD_OP and NO_SHARD, measured to the byte up to the root's single gather),
+# computes: you built that cycle with four hooks on a multi-unit GPT and matched one
+# process at 1 to 4 ranks, `3 x 4Ψ` bytes per step. The sharding strategies trade
+# memory for bytes (`3 x 4Ψ` FULL_SHARD, `2 x 4Ψ` SHARD_GRAD_OP and NO_SHARD, measured
+# to the byte, the root's single gather included),
 # the wrap policy decides how much is full at once, prefetch decides when the next
 # gather starts, and a full state dict resumes bit-exactly at the same world size
 # and within `1e-5` at another.
