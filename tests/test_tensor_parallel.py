@@ -61,3 +61,10 @@ def test_bad_sizes_name_the_fix():
     seq = launch(tp_helpers.bad_input, 2, 2, 15, True, timeout=60)[0]
     assert "length 15 is not divisible by tp=2" in seq
     assert launch(tp_helpers.bad_input, 2, 2, 16, True, timeout=60)[0] is None
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_mlp_same_as_torch_tensor_parallel(sequence_parallel):
+    """PyTorch's own ColwiseParallel/RowwiseParallel (DTensor, gloo) on the same MLP: same numbers."""
+    for rank, errs in enumerate(launch(tp_helpers.torch_tp_mlp, 2, 2, sequence_parallel, timeout=120)):
+        assert max(errs.values()) < TOL, (rank, errs)

@@ -188,3 +188,32 @@ def bad_input(tp, seq_len=16, sequence_parallel=False, **override):
         par(torch.zeros(1, seq_len, dtype=torch.long))
     except ValueError as e:
         return str(e)
+
+
+def torch_tp_mlp(tp, sequence_parallel):
+    """Our ParallelMLP beside torch.distributed.tensor.parallel's Colwise/Rowwise (+ Shard(1) layouts for
+    SP) on the same FeedForward: outputs, input gradients and this rank's weight gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    T.initialize_model_parallel(tp)
+    r = T.get_model_parallel_rank()
+    block = models.build_model("gpt-tiny", seed=9).blocks[0]
+    ours = T.ParallelMLP(block.mlp, sequence_parallel)
+    theirs = parallelize_module(block.mlp, init_device_mesh("cpu", (tp,)), {
+        "c_fc": ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel else ColwiseParallel(),
+        "c_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()})
+    x = torch.randn(2, 8, 32, generator=_gen(30))
+    if sequence_parallel:
+        x = x.chunk(tp, dim=1)[r]
+    xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yo, yt = ours(xo), theirs(xt)
+    up = torch.randn(yo.shape, generator=_gen(31 + r))
+    yo.backward(up)
+    yt.backward(up)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    return {"out": _err(yo, yt), "dx": _err(xo.grad, xt.grad),
+            "c_fc": _err(ours.c_fc.weight.grad, local(theirs.c_fc.weight.grad)),
+            "c_proj": _err(ours.c_proj.weight.grad, local(theirs.c_proj.weight.grad)),
+            "bias": _err(ours.c_proj.bias.grad, local(theirs.c_proj.bias.grad).reshape(-1))}
