@@ -156,3 +156,11 @@ def test_split_gpt_bad_input_names_the_fix():
         split_gpt(model, 5)
     with pytest.raises(ValueError, match="tie_embeddings=False"):
         split_gpt(models.build_model("gpt-tiny", tie_embeddings=True), 2)
+
+
+def test_validator_message_order():
+    # Both messages arrive, nothing deadlocks, but NCCL would pair 0SEND_F0 with 1RECV_F1.
+    with pytest.raises(ScheduleError, match=r"rank 0 sends 0SEND_F0 to rank 1 before 0SEND_F1, but rank 1 receives "
+                                            r"0SEND_F1 first"):
+        validate(_plan({0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                        1: "1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1"}))

@@ -12,21 +12,36 @@ a gradient to the previous one. Stage ``s`` lives on rank ``s % p`` (torch's
 loop layout: with ``v`` virtual stages per rank, rank ``r`` holds ``r, r+p, ...``).
 
 The four schedules, p = 4 ranks, m = 4 micro-batches (``plan.table()``; time in
-units where a forward takes 1, a backward 2; a blank is the bubble)::
+units where a forward takes 1 and a backward 2; a blank cell is the bubble)::
 
-    GPipe (Huang et al. 2019): every forward, then every backward.
-    rank 0 |F0|F1|F2|F3|  |  |  |  |  |  |  |  |  |  |  |B0   |B1   |B2   |B3   |
-    rank 3 |  |  |  |F0|F1|F2|F3|B0   |B1   |B2   |B3   |  |  |  |  |  |  |  |  |
+    GPipe (Huang et al. 2019): every forward, then every backward. Bubble 3/7.
+           0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20
+    rank 0 |F0|F1|F2|F3|  |  |  |  |  |  |  |  |  |B0   |B1   |B2   |B3   |
+    rank 1 |  |F0|F1|F2|F3|  |  |  |  |  |  |B0   |B1   |B2   |B3   |  |  |
+    rank 2 |  |  |F0|F1|F2|F3|  |  |  |B0   |B1   |B2   |B3   |  |  |  |  |
+    rank 3 |  |  |  |F0|F1|F2|F3|B0   |B1   |B2   |B3   |  |  |  |  |  |  |
 
-    1F1B (PipeDream-Flush, Narayanan et al. 2021): after p-1-r warm-up forwards,
-    rank r alternates one forward and one backward, so it never holds more than
-    p-r micro-batches' activations (GPipe holds all m).
+    1F1B (PipeDream-Flush, Narayanan et al. 2021): after p-1-r warm-up forwards
+    rank r alternates one forward, one backward. The same bubble, but rank r
+    never holds more than p-r micro-batches' activations (GPipe: all m).
+           0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20
+    rank 0 |F0|F1|F2|F3|  |  |  |  |  |  |B0   |  |B1   |  |B2   |  |B3   |
+    rank 1 |  |F0|F1|F2|  |  |  |  |B0   |F3|B1   |  |B2   |  |B3   |  |  |
+    rank 2 |  |  |F0|F1|  |  |B0   |F2|B1   |F3|B2   |  |B3   |  |  |  |  |
+    rank 3 |  |  |  |F0|B0   |F1|B1   |F2|B2   |F3|B3   |  |  |  |  |  |  |
 
-    Interleaved 1F1B (Megatron-LM): v smaller stages per rank; the bubble
-    shrinks by v, at the price of v times more messages.
+    Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v stages per rank
+    (a = the rank's first, b its second); each is 1/v of the rank's layers, so
+    the bubble shrinks by v: (p-1)/(v*m+p-1), for v times more messages.
 
-    Zero bubble (ZB-H1, Qi et al. 2024): 1F1B's order with B split into I and W;
-    each W waits until the rank would otherwise idle, filling the bubble.
+    Zero bubble (ZB-H1, Qi et al. 2024): 1F1B's order with B split into I
+    (input gradient, in B's place) and W (weight gradient), each W moved into
+    a slot where its rank would wait. Bubble (p-1)/(3m+p-1) for m >= p:
+           0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
+    rank 0 |F0|F1|F2|F3|  |  |  |I0|W0|I1|W1|I2|W2|I3|W3|
+    rank 1 |  |F0|F1|F2|  |  |I0|F3|I1|W0|I2|W1|I3|W2|W3|
+    rank 2 |  |  |F0|F1|  |I0|F2|I1|F3|I2|W0|I3|W1|W2|W3|
+    rank 3 |  |  |  |F0|I0|F1|I1|F2|I2|F3|I3|W0|W1|W2|W3|
 
 The bubble of a plan is measured on its own timeline (``simulate``): idle
 rank-time over total rank-time. For GPipe and 1F1B it is ``(p-1)/(m+p-1)``,

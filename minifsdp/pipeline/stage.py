@@ -128,6 +128,8 @@ class PipelineStage:
         return stage % self.group_size == self.group_rank
 
     def _tag(self, kind: int, stage: int, mb: int) -> int:
+        # gloo matches a receive to the send with its tag; NCCL ignores tags and matches the
+        # messages of two ranks in order, which validate() guarantees for every plan it passes.
         return (mb * self.num_stages + stage) * 3 + kind
 
     # ---------------------------------------------------------------- forward

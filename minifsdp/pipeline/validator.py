@@ -4,8 +4,9 @@
 are wrong, in words: a stage on the wrong rank, a micro-batch whose forward
 or backward is missing or repeated, a backward before its forward (it needs
 the activations the forward saved), a computation whose input was never
-received, a message sent but never received (or the reverse), and a
-deadlock, with the cycle of ranks waiting on each other.
+received, a message sent but never received (or the reverse), messages
+between two ranks received in another order than sent, and a deadlock, with
+the cycle of ranks waiting on each other.
 
 ``simulate(plan)`` runs the plan on paper: every rank executes its list in
 order; a compute action takes ``DURATION[kind]`` time units, a send never
@@ -118,6 +119,36 @@ def _static_problems(plan: Plan) -> list[str]:
                     verb = "sends" if a.kind.startswith("SEND") else "waits to receive"
                     problems.append(f"rank {r} {verb} {a} but rank {peer} has no matching {match}")
             seen[a] = pos
+    return problems or _order_problems(plan)
+
+
+def _order_problems(plan: Plan) -> list[str]:
+    """Messages between two ranks must be received in the order they were sent.
+
+    gloo could match them by tag, but NCCL ignores tags and matches the sends
+    and receives of a pair of ranks in issue order: a plan that receives them
+    the other way round would hand one micro-batch's tensor to another's
+    receive. (Every plan ``make_plan`` produces keeps the order.)
+    """
+    sent: dict[tuple[int, int], list[Action]] = {}
+    received: dict[tuple[int, int], list[Action]] = {}
+    for r, acts in plan.order.items():
+        for a in acts:
+            if a.kind in COMM:
+                peer, match = _peer_action(plan, a)
+                if a.kind.startswith("SEND"):
+                    sent.setdefault((r, peer), []).append(a)
+                else:
+                    received.setdefault((peer, r), []).append(match)
+    problems = []
+    for (src, dst), order in sent.items():
+        got = received.get((src, dst), [])
+        for x, y in zip(order, got):
+            if x != y:
+                problems.append(f"rank {src} sends {x} to rank {dst} before {y}, but rank {dst} receives {y} first: "
+                                "messages between two ranks must be received in the order they were sent "
+                                "(NCCL matches them in order); reorder the receives")
+                break
     return problems
 
 
