@@ -24,6 +24,7 @@ sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
     python -m minifsdp.bench --model gpt-small --world-sizes 2 4 \\
         --pairs ddp:torch-ddp fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP
     python -m minifsdp.bench --preset issue4      # every pair of README's table
+    python -m minifsdp.bench --preset pipeline    # pp@SCHEDULE vs torch-pp@SCHEDULE
 
 HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x
 replicate 2). There torch's FSDP1 switches a shard group of one to NO_SHARD
@@ -57,7 +58,13 @@ PRESETS: dict[str, tuple[str, ...]] = {
                "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
                "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
                "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
+    # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
+    # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
+    "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
+                 "pp@zero-bubble:torch-pp@zero-bubble"),
 }
+PIPELINE_SIDES = ("pp", "torch-pp")  # their @option is the schedule
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 LOSS_RTOL = 1e-5  # fp32, a few AdamW steps: as tests/test_train.py
 
 
@@ -81,7 +88,7 @@ def parse_side(side: str) -> tuple[str, str | None]:
         raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
     if not option:
         return name, None
-    options = SHARDING_OPTIONS.get(name)
+    options = PIPELINE_SCHEDULES if name in PIPELINE_SIDES else SHARDING_OPTIONS.get(name)
     if options is None:
         takes = ", ".join(SHARDING_OPTIONS)
         raise ValueError(f"{name!r} takes no @option in --pairs (only {takes} do); write {name!r} alone")
@@ -102,9 +109,14 @@ def parse_pair(pair: str) -> tuple[str, str]:
 
 def _config(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int, out: str) -> TrainConfig:
     name, option = parse_side(side)
-    return TrainConfig(strategy=name, sharding_strategy=option or "FULL_SHARD", world_size=world_size,
-                       model=cfg.model, steps=steps, batch_size=cfg.batch_size, quiet=True, out=out,
-                       track_memory=track_memory, write_plots=False)
+    if name in PIPELINE_SIDES:
+        schedule = option or "1f1b"
+        options = dict(pp=world_size, schedule=schedule, micro_batches=2 * world_size,
+                       virtual_stages=2 if schedule in ("interleaved", "zero-bubble") else 1)
+    else:
+        options = dict(sharding_strategy=option or "FULL_SHARD")
+    return TrainConfig(strategy=name, world_size=world_size, model=cfg.model, steps=steps, batch_size=cfg.batch_size,
+                       quiet=True, out=out, track_memory=track_memory, write_plots=False, **options)
 
 
 def _run(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
@@ -143,8 +155,11 @@ def expected_bytes(model_name: str, side: str, world_size: int) -> dict[str, Any
     >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3Ψ; 3Ψ - Ψ_root
     (514560, 444672, 273152)
     """
-    strategy = comm_strategy(side)
     model = models.build_model(model_name)
+    if parse_side(side)[0] in PIPELINE_SIDES:  # point-to-point activations: not a collective formula
+        return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
+                "n_params": models.count_parameters(model)}
+    strategy = comm_strategy(side)
     units, root = estimate.fsdp_unit_numels(model, (models.Block,))
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     shard = world_size // 2 if strategy == "hybrid_shard" else None
@@ -184,7 +199,7 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
     row["n_params"] = expected["n_params"]
     row["bytes_expected"], row["bytes_expected_by_op"] = expected["total"], expected["by_op"]
     row["bytes_paper"], row["bytes_paper_key"] = expected["paper"], expected["paper_key"]
-    row["bytes_match"] = moved[ours] == expected["total"]
+    row["bytes_match"] = None if expected["total"] is None else moved[ours] == expected["total"]
     if cfg.memory:
         peaks = {}
         for side in (ours, theirs):
@@ -209,12 +224,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         s, peak, moved = r["step_s"], r.get("peak_bytes"), r["bytes_per_step"]
         peak_txt = f"{peak[ours] / mib:.1f} / {peak[theirs] / mib:.1f}" if peak else "-"
         peak_ratio = f"{r['peak_ratio']:.3f}" if peak else "-"
-        moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {r['bytes_expected'] / mib:.3f}"
+        expected = "-" if r["bytes_expected"] is None else f"{r['bytes_expected'] / mib:.3f}"
+        moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {expected}"
         paper = (f"{_PAPER_LABEL[r['bytes_paper_key']]} = {r['bytes_paper'] / mib:.3f}"
                  if r["bytes_paper"] is not None else "-")
         lines.append(f"| {r['world_size']} | {ours} | {theirs} | {s[ours] * 1e3:.1f} / {s[theirs] * 1e3:.1f} | "
                      f"{r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
-                     f"{'yes' if r['bytes_match'] else 'NO'} | {'yes' if r['same_losses'] else 'NO'} |")
+                     f"{({True: 'yes', False: 'NO'}).get(r['bytes_match'], '-')} | "
+                     f"{'yes' if r['same_losses'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -242,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--pairs", nargs="+", default=None,
                    help="ours:theirs pairs; a side is strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named list of pairs (issue4: all)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named list of pairs (issue4: DDP/ZeRO/FSDP; pipeline: every pp schedule)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
