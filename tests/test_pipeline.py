@@ -164,3 +164,16 @@ def test_validator_message_order():
                                             r"0SEND_F1 first"):
         validate(_plan({0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
                         1: "1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1"}))
+
+
+def test_bench_pairs_each_schedule_with_torch(tmp_path):
+    from minifsdp import bench
+    from minifsdp.train import validate as validate_config
+
+    assert set(bench.PRESETS["pipeline"]) == {f"pp@{s}:torch-pp@{s}" for s in SCHEDULES}
+    cfg = bench.BenchConfig(model="gpt-small", out=str(tmp_path))
+    train_cfg = bench._config(cfg, "torch-pp@interleaved", 4, False, 2, str(tmp_path))
+    assert (train_cfg.strategy, train_cfg.pp, train_cfg.micro_batches, train_cfg.virtual_stages) == ("torch-pp", 4, 8, 2)
+    validate_config(train_cfg)
+    with pytest.raises(ValueError, match="unknown option 'FULL_SHARD' for pp"):
+        bench.parse_side("pp@FULL_SHARD")
