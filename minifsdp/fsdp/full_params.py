@@ -8,13 +8,17 @@ Why clipping needs care: each rank holds 1/N of the gradient, so a local
 ``torch.nn.utils.clip_grad_norm_`` would clip by the norm of a shard. The
 global 2-norm is ``sqrt(sum over ranks of sum |g_shard|^2)``: one all-reduce
 of one number.
+
+Read ``fully_sharded.py`` first: its ``clip_grad_norm_`` and ``summon_full_params``
+call these (``module_or_self`` lets the latter be called in torch's and FairScale's forms).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -22,7 +26,7 @@ import torch.nn as nn
 from .. import comm, dist
 from .unit import FSDPUnit, TrainingState, all_ranks_enter, units
 
-__all__ = ["clip_grad_norm_", "summon_full_params"]
+__all__ = ["clip_grad_norm_", "summon_full_params", "module_or_self"]
 
 
 @torch.no_grad()
@@ -101,3 +105,23 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             for h in u._handles:
                 if h.orig_params is None:
                     u._parameters["_flat_param" if h.requires_grad else "_flat_param_frozen"] = h.flat_param
+
+
+class module_or_self:
+    """A method that is static on the class (torch: ``FSDP.summon_full_params(model)``) and
+    bound on an instance (FairScale: ``model.summon_full_params()``)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, owner: type) -> Callable:
+        if obj is None:
+            return self.fn
+
+        @functools.wraps(self.fn)
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            if "module" in kwargs or (args and isinstance(args[0], nn.Module)):  # torch's form on an instance
+                return self.fn(*args, **kwargs)
+            return self.fn(obj, *args, **kwargs)
+        return bound

@@ -32,7 +32,6 @@ holds what they share), so the imports of ``fsdp/`` run one way, into here.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -56,26 +55,6 @@ __all__ = ["FullyShardedDataParallel", "MAX_UNSHARDED_UNITS"]
 MAX_UNSHARDED_UNITS = 2  # limit_all_gathers: non-root units allowed unsharded when prefetching
 _IDLE, _FORWARD, _BACKWARD = TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-
-
-class _module_or_self:
-    """A method that is static on the class (torch: ``FSDP.summon_full_params(model)``) and
-    bound on an instance (FairScale: ``model.summon_full_params()``)."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        functools.update_wrapper(self, fn)
-
-    def __get__(self, obj: Any, owner: type) -> Callable:
-        if obj is None:
-            return self.fn
-
-        @functools.wraps(self.fn)
-        def bound(*args: Any, **kwargs: Any) -> Any:
-            if "module" in kwargs or (args and isinstance(args[0], nn.Module)):  # torch's form on an instance
-                return self.fn(*args, **kwargs)
-            return self.fn(obj, *args, **kwargs)
-        return bound
 
 
 class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
@@ -408,7 +387,7 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
         """Clip all gradients by their global norm over every shard; return that norm (see full_params.py)."""
         return full_params.clip_grad_norm_(self, max_norm, norm_type)
 
-    @_module_or_self
+    @full_params.module_or_self
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
                            offload_to_cpu: bool = False, with_grads: bool = False, *,
                            volatile: bool | None = None) -> contextlib.AbstractContextManager:

@@ -21,7 +21,10 @@ the number of devices of the compute device's type on this machine,
 ``torch.cuda.device_count()`` on CUDA, ``torch.cpu.device_count()`` (which is 1)
 on CPU, so on CPU the default shard groups hold one rank each: nothing is
 sharded, as with torch. Pass ``process_group=init_hybrid_groups(shard_size)``
-to choose. Read ``fully_sharded.py`` first; this file is its constructor's helper.
+to choose. One difference: torch refuses HYBRID_SHARD without a group when
+units are wrapped by hand (each might build its own groups); here every unit
+gets the same cached pair, so that works. Read ``fully_sharded.py`` first; this
+file is its constructor's helper.
 """
 
 from __future__ import annotations

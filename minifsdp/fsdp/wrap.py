@@ -28,7 +28,8 @@ block (12,704 params) and leaves the rest to the root.
 ``enable_wrap`` / ``wrap`` follow torch (``wrap`` passes every context keyword,
 ``auto_wrap_policy`` included, to the wrapper class); ``auto_wrap`` follows
 FairScale. ``fully_sharded.py`` calls ``_recursive_wrap`` for its
-``auto_wrap_policy``; this file imports nothing else from ``fsdp/``.
+``auto_wrap_policy``; this file imports nothing else from ``fsdp/``. Read
+``fully_sharded.py`` first.
 """
 
 from __future__ import annotations
