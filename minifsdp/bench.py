@@ -24,6 +24,7 @@ sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
     python -m minifsdp.bench --model gpt-small --world-sizes 2 4 \\
         --pairs ddp:torch-ddp fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP
     python -m minifsdp.bench --preset issue4      # every pair of README's table
+    python -m minifsdp.bench --preset checkpoint  # side#full, side#selective: activation checkpointing
     python -m minifsdp.bench --preset pipeline    # pp@SCHEDULE vs torch-pp@SCHEDULE
 
 HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x
@@ -58,6 +59,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
                "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
                "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
                "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
+    # Issue 9: activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper.
+    "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
     # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
     # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
@@ -82,8 +85,9 @@ class BenchConfig:
 
 
 def parse_side(side: str) -> tuple[str, str | None]:
-    """``"fsdp@SHARD_GRAD_OP"`` -> ``("fsdp", "SHARD_GRAD_OP")``; ``"ddp"`` -> ``("ddp", None)``."""
-    name, _, option = side.partition("@")
+    """``"fsdp@SHARD_GRAD_OP"`` -> ``("fsdp", "SHARD_GRAD_OP")``; ``"ddp"`` -> ``("ddp", None)`` (``#...``: see
+    ``side_checkpoint``)."""
+    name, _, option = side.partition("#")[0].partition("@")
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
     if not option:
@@ -97,6 +101,14 @@ def parse_side(side: str) -> tuple[str, str | None]:
     return name, option
 
 
+def side_checkpoint(side: str) -> str:
+    """``"fsdp#full"`` -> ``"full"``: the side's ``--checkpoint`` (none, full, selective); no ``#``: ``"none"``."""
+    mode = side.partition("#")[2] or "none"
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"unknown checkpointing {mode!r} in --pairs side {side!r}; write side#full or side#selective")
+    return mode
+
+
 def parse_pair(pair: str) -> tuple[str, str]:
     """``"ours:theirs"``, each side checked by ``parse_side``."""
     sides = pair.split(":")
@@ -104,6 +116,7 @@ def parse_pair(pair: str) -> tuple[str, str]:
         raise ValueError(f"a pair is ours:theirs, e.g. fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD; got {pair!r}")
     for side in sides:
         parse_side(side)
+        side_checkpoint(side)
     return sides[0], sides[1]
 
 
@@ -116,7 +129,8 @@ def _config(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, st
     else:
         options = dict(sharding_strategy=option or "FULL_SHARD")
     return TrainConfig(strategy=name, world_size=world_size, model=cfg.model, steps=steps, batch_size=cfg.batch_size,
-                       quiet=True, out=out, track_memory=track_memory, write_plots=False, **options)
+                       quiet=True, out=out, track_memory=track_memory, write_plots=False,
+                       checkpoint=side_checkpoint(side), **options)
 
 
 def _run(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:

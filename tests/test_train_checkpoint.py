@@ -50,3 +50,16 @@ def test_command_line_and_bad_input(tmp_path):
         validate(TrainConfig(checkpoint="every-other", out=str(tmp_path)))
     with pytest.raises(ValueError, match="not wired into --strategy pp"):
         validate(TrainConfig(strategy="pp", world_size=2, checkpoint="full", out=str(tmp_path)))
+
+
+def test_bench_sides_carry_checkpointing(tmp_path):
+    from minifsdp import bench
+
+    assert bench.parse_pair("fsdp#full:torch-fsdp#full") == ("fsdp#full", "torch-fsdp#full")
+    assert bench.side_checkpoint("fsdp@SHARD_GRAD_OP#selective") == "selective"
+    assert bench.side_checkpoint("ddp") == "none"
+    cfg = bench._config(bench.BenchConfig(), "torch-fsdp#selective", 2, False, 2, str(tmp_path))
+    assert (cfg.strategy, cfg.checkpoint) == ("torch-fsdp", "selective")
+    with pytest.raises(ValueError, match="write side#full or side#selective"):
+        bench.parse_pair("fsdp#every:torch-fsdp")
+    assert all(bench.parse_pair(p) for p in bench.PRESETS["checkpoint"])
