@@ -177,3 +177,44 @@ def test_bench_pairs_each_schedule_with_torch(tmp_path):
     validate_config(train_cfg)
     with pytest.raises(ValueError, match="unknown option 'FULL_SHARD' for pp"):
         bench.parse_side("pp@FULL_SHARD")
+
+
+def test_every_schedule_on_one_rank_matches_autograd():
+    """Two stages on one rank (no process group: they hand over in memory); the I/W split included,
+    on a layer whose own parameter acts in its forward and a layer that never runs."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from minifsdp.pipeline import PipelineStage, ScheduleFromPlan
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.lin(x).tanh() * self.scale
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    ref = [Scaled(), Scaled()]
+    loss_fn(ref[1](ref[0](x)), y).backward()
+    for name in ("interleaved", "zero-bubble"):
+        mods = copy.deepcopy(ref)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        stages = [PipelineStage(m, i, 2, "cpu") for i, m in enumerate(mods)]
+        losses = []
+        out = ScheduleFromPlan(stages, make_plan(name, 1, 4, 2), loss_fn=loss_fn).step(x, target=y, losses=losses)
+        assert torch.allclose(out, ref[1](ref[0](x)), atol=1e-6) and len(losses) == 4
+        for m, r in zip(mods, ref):
+            for (n, p), q in zip(m.named_parameters(), r.parameters()):
+                assert (p.grad is None) == (q.grad is None), (name, n)
+                if q.grad is not None:
+                    assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), (name, n)

@@ -63,6 +63,13 @@ class _Saved:
     layer_grads: list[torch.Tensor | None] = field(default_factory=list)
 
 
+def _accumulate(params: list[nn.Parameter], grads: tuple[torch.Tensor | None, ...]) -> None:
+    """``param.grad += grad`` as autograd would (the first gradient is stored as is)."""
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+
 def _as_tensor(args: Any, what: str) -> torch.Tensor | None:
     if args is None:
         return None
@@ -190,8 +197,13 @@ class PipelineStage:
         saved = self._saved[mb]
         firsts = [] if saved.input is None else [saved.input]
         outs = [o for o, _ in saved.layer_outputs]
-        grads = torch.autograd.grad(root, firsts + outs, grad, retain_graph=True, allow_unused=True)
-        saved.layer_grads = list(grads[len(firsts):])
+        # Parameters whose layer never ran its forward (used directly by a parent, say) have no
+        # captured output: their gradient is computed here, in I, rather than lost.
+        seen = {id(q) for _, ps in saved.layer_outputs for q in ps}
+        loose = [q for q in self.submod.parameters() if q.requires_grad and id(q) not in seen]
+        grads = torch.autograd.grad(root, firsts + outs + loose, grad, retain_graph=True, allow_unused=True)
+        saved.layer_grads = list(grads[len(firsts):len(firsts) + len(outs)])
+        _accumulate(loose, grads[len(firsts) + len(outs):])
         saved.input = saved.output = saved.loss = None  # W walks the layers' own nodes only
         return grads[0] if firsts else None
 
@@ -199,11 +211,8 @@ class PipelineStage:
         """Zero bubble's W: every layer's weight gradient from its output gradient, accumulated."""
         saved = self._saved.pop(mb)
         for (out, params), g in zip(saved.layer_outputs, saved.layer_grads):
-            if g is None:
-                continue
-            for p, gp in zip(params, torch.autograd.grad(out, params, g, allow_unused=True)):
-                if gp is not None:
-                    p.grad = gp if p.grad is None else p.grad.add_(gp)
+            if g is not None:
+                _accumulate(params, torch.autograd.grad(out, params, g, allow_unused=True))
 
     def enable_weight_split(self) -> None:
         """Capture each parameterised layer's output in forward (for I/W); needs no checkpointing."""
@@ -218,8 +227,8 @@ class PipelineStage:
             params = [p for p in params if p.requires_grad]
             if params:
                 self._hooks.append(module.register_forward_hook(self._capture_hook(params)))
-        # A parameter used outside its module's output (or a module returning a tuple) would
-        # be missed by W; refuse rather than give a wrong gradient.
+        # Assumed: a layer's weights act only through its own forward (nn.Linear, LayerNorm,
+        # Embedding do). A layer returning a tuple is refused by the hook below.
 
     def _capture_hook(self, params: list[nn.Parameter]) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
