@@ -71,6 +71,7 @@ class SelectiveCheckpointContext:
 
 
 _RECOMPUTE = object()  # a placeholder in the cache: this op's output was not kept
+_CONSUMED = object()   # ... its kept output was handed to the recompute already
 
 
 class _Caching(TorchDispatchMode):
@@ -102,7 +103,7 @@ class _Cached(TorchDispatchMode):
         self.seen: dict[Any, int] = defaultdict(int)
 
     def __enter__(self) -> "_Cached":
-        self.seen.clear()  # a second backward (retain_graph) replays from the start
+        self.seen.clear()  # each recompute replays from the first call of each op
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -117,7 +118,12 @@ class _Cached(TorchDispatchMode):
         kept = self.cache[func][k]
         if kept is _RECOMPUTE:
             return func(*args, **kwargs)
-        # A fresh alias each time: autograd (above this mode) attaches its graph to what we return.
+        if kept is _CONSUMED:
+            raise RuntimeError("selective checkpoint: a second backward through the same forward; a kept output "
+                               "is handed out once (as torch), so run the forward again")
+        # Handed out once: from now on only autograd's saved copy keeps it alive, and it is freed as soon as
+        # the op that needs it has run its backward, not when the whole block is done (torch does the same).
+        self.cache[func][k] = _CONSUMED
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, kept)
 
 
