@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import comm, dist, plot, trace
-from .verdict import failed, figures, passed, require_written, run, uses
+from .verdict import call, failed, figures, passed, require_written, run, uses
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_gather_into_tensor",
                "reduce_scatter_tensor", "reduce")
@@ -176,10 +176,26 @@ def _run_all_reduce(fn: Callable, numels: tuple[int, ...]) -> list[tuple]:
     return out
 
 
-def ring_all_reduce(all_reduce_fn: Callable, bytes_fn: Callable) -> None:
-    """``all_reduce_fn(x)`` sums over ranks (any numel); ``bytes_fn(S, N)`` is what one rank sends."""
+def _bus_problem(bus_fn: Callable) -> str | None:
+    """bus_fn(op, S, t, N) against the ring bytes comm records per call, divided by the time."""
+    for n in (2, 4, 8):
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            nbytes, seconds = 3 * 2**20, 0.004
+            want = comm.collective_bytes(op, nbytes, n)["ring_bytes"] / seconds
+            got = float(bus_fn(op, nbytes, seconds, n))
+            if abs(got - want) > 1e-6 * want:
+                if abs(got - nbytes / seconds) < 1e-6 * want:
+                    return f"{op} on {n} ranks: that is algbw = S / t; busbw multiplies it by the ring factor"
+                return (f"{op} on {n} ranks, S = {nbytes} B in {seconds} s: {got:.4g} B/s, target {want:.4g} B/s "
+                        f"(the ring bytes a rank sends per second): check the factor for {op}")
+    return None
+
+
+def ring_all_reduce(all_reduce_fn: Callable, bytes_fn: Callable, bus_fn: Callable | None = None) -> None:
+    """``all_reduce_fn(x)`` sums over ranks (any numel); ``bytes_fn(S, N)`` is what one rank sends;
+    ``bus_fn(op, S, t, N)`` the bus bandwidth of a call."""
     what = "ring all-reduce"
-    require_written(what, all_reduce_fn, bytes_fn)
+    require_written(what, all_reduce_fn, bytes_fn, *([bus_fn] if bus_fn else []))
     _library_call(what, all_reduce_fn)
     tolerance = 1e-5  # fp32: the ring adds in another order than gloo
     report = ""
@@ -208,6 +224,11 @@ def ring_all_reduce(all_reduce_fn: Callable, bytes_fn: Callable) -> None:
                          "n - 1 chunks of S / n bytes in each of the two halves")
         report = figures(f"{n} ranks, S = {numel * 4} B, bytes sent per rank", sent, formula,
                          comm.collective_bytes("all_reduce", numel * 4, n)["ring_bytes"], unit="B")
+    if bus_fn is not None:
+        problem = call(what, _bus_problem, bus_fn)
+        if problem:
+            failed(what, f"bus_bandwidth: {problem}")
+        report += "; bus_bandwidth = ring bytes / time for the three collectives"
     passed(what, f"equals comm.all_reduce within {tolerance:g}, padded sizes too; {report} (yours measured, "
                  "target your formula, library comm's ring_bytes)")
 

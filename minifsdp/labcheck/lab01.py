@@ -63,10 +63,28 @@ def _adamw_mistake(got: int, want: int, n: int, k: int) -> str:
                           "per parameter tensor?")
 
 
-def model_states(predict: Callable[[dict], dict]) -> None:
-    """``predict({name: shape})`` -> {"parameters", "gradients", "optimizer"} bytes, fp32 AdamW."""
+def _gpt_params_problem(count: Callable) -> str | None:
+    """``count(config)`` against the parameters of built GPTs (biases, ties and sizes varied)."""
+    base = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+    for change in ({}, {"n_layer": 3}, {"n_embd": 48, "n_head": 4}, {"bias": False}, {"tie_embeddings": True},
+                   {"block_size": 64, "vocab_size": 100}):
+        config = models.GPTConfig(**{**base, **change})
+        want = models.count_parameters(models.GPT(config))
+        got = int(count(config))
+        if got != want:
+            what = ", ".join(f"{k}={v}" for k, v in change.items()) or "the base config"
+            return (f"Ψ for gpt (L=2, d=32, V=64, block_size=32) with {what}: yours {got:,}, the built model has "
+                    f"{want:,} ({want - got:+,}): which shapes did you miss or count twice?")
+    return None
+
+
+def model_states(predict: Callable[[dict], dict], count: Callable | None = None) -> None:
+    """``predict({name: shape})`` -> {"parameters", "gradients", "optimizer"} bytes, fp32 AdamW;
+    ``count(config)`` -> Ψ of a GPT from its config."""
     what = "model states from shapes"
-    require_written(what, predict)
+    require_written(what, predict, *([count] if count else []))
+    if count is not None and uses(count, "count_parameters", "gpt_param_count", "GPT", "build_model"):
+        failed(what, "predict_gpt_params builds or counts a model: predict Ψ from the config alone")
     ran = uses(predict, "step", "AdamW", "Adam", "count_parameters", "model_state_bytes_per_device",
                "optimizer_state_bytes_for")
     if ran:
@@ -90,7 +108,12 @@ def model_states(predict: Callable[[dict], dict]) -> None:
         library = estimate.optimizer_state_bytes_for(n, "adamw")
         lines.append(f"{name} (Ψ = {n:,}): " + figures("AdamW bytes", int(got["optimizer"]), want["optimizer"],
                                                          library, unit="B"))
-    passed(what, "parameters and gradients 4Ψ each, to the byte; " + "; ".join(lines[-2:])
+    if count is not None:
+        problem = call(what, _gpt_params_problem, count)
+        if problem:
+            failed(what, problem)
+        lines.append("your Ψ of a GPT = the built model's, 6 configs (biases, ties)")
+    passed(what, "parameters and gradients 4Ψ each, to the byte; " + "; ".join(lines[-3:])
            + " (target: measured after a real step; the library's estimate leaves out the per-tensor step counters)")
 
 

@@ -76,10 +76,13 @@ def _stub_hint(fn: Callable[..., Any]) -> str | None:
 
 
 def require_written(what: str, *fns: Callable[..., Any]) -> None:
-    """Fail with 'not written yet' when one of ``fns`` is still the blank lab's stub."""
+    """Fail when one of ``fns`` is the library's own function, or still the blank lab's stub ('not written yet')."""
     for fn in fns:
         if not callable(fn):
             failed(what, f"expected a function, got {type(fn).__name__}: pass the function itself, without ()")
+        if is_library(fn):
+            failed(what, f"that is the library's own {getattr(fn, '__qualname__', 'function')} "
+                         f"({getattr(fn, '__module__', '?')}): pass your function, the exercise is to write it")
         hint = _stub_hint(fn)
         if hint is not None:
             failed(what, f"{getattr(fn, '__name__', 'the exercise')} is not written yet (it still raises "
@@ -134,11 +137,12 @@ def run(what: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout:
     try:
         return launch(fn, world_size, *args, timeout=timeout, **kwargs)
     except WorkerError as err:
-        first = str(err).splitlines()[0]
-        if "NotImplementedError" in first:
-            hint = first.split("NotImplementedError:", 1)[1].strip()
-            failed(what, f"not written yet (it raised NotImplementedError on {first.split(' failed')[0]}): {hint}")
-        failed(what, f"your code raised an error on {first}")
+        first = str(err).splitlines()[0]                 # "ranks 0-3 failed: Error: message (in fn, line 3 ...)"
+        ranks, _, error = first.partition(" failed: ")
+        if error.startswith("NotImplementedError"):
+            hint = error.split("NotImplementedError:", 1)[1].strip()
+            failed(what, f"not written yet (it raised NotImplementedError on {ranks}): {hint}")
+        failed(what, f"your code raised on {ranks}: {error}")
     except LaunchTimeout as err:
         failed(what, f"no result after {timeout:g} s on ranks {err.running}: a rank waits for a message that "
                      "no peer sends (every send needs a matching receive, every collective all ranks)")

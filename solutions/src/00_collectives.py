@@ -21,7 +21,7 @@
 # VM runs fewer ranks, see `dist.lab_world_size`).
 #
 # **Exercises** (your code between the markers, each followed by a one-call check):
-# 1. ring all-gather · 2. ring reduce-scatter · 3. ring all-reduce and its bytes ·
+# 1. ring all-gather · 2. ring reduce-scatter · 3. ring all-reduce, its bytes and bus bandwidth ·
 # 4. draw your ring's timeline.
 #
 # Symbols: N = world size (number of ranks); S = bytes of a tensor; Ψ = number of
@@ -316,14 +316,16 @@ for n in sorted({dist.lab_world_size(2), N4}):
 def my_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-D ``x`` concatenated in rank order, using only comm.isend / comm.irecv."""
     n, r = dist.world_size(), dist.rank()
+    # BEGIN SOLUTION
+    # HINT: the output holds n chunks of x's size (on x's device); chunk r is your own x; your right neighbour
+    # HINT: is the next rank round the ring, your left one the previous.
+    # HINT: n - 1 steps; in each, comm.isend to the right the chunk you got in the previous step (your
+    # HINT: own at step 0), comm.irecv from the left into the chunk that comes next, then wait on both.
+    # HINT: The table above gives the chunk indices.
     out = x.new_empty(n * x.numel())
     chunks = out.chunk(n)  # views into out, one per rank
     chunks[r].copy_(x)
     right, left = (r + 1) % n, (r - 1) % n
-    # BEGIN SOLUTION
-    # HINT: n - 1 steps; in each, comm.isend to the right the chunk you got in the previous step (your
-    # HINT: own at step 0), comm.irecv from the left into the chunk that comes next, then wait on both.
-    # HINT: The table above gives the chunk indices.
     for step in range(n - 1):
         sending = comm.isend(chunks[(r - step) % n], right)
         receiving = comm.irecv(chunks[(r - step - 1) % n], left)
@@ -363,14 +365,15 @@ def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     if x.numel() % n:
         raise ValueError(f"my_reduce_scatter: x has {x.numel()} elements, not a multiple of the "
                          f"world size {n}; pad it first (comm.pad_to_multiple)")
+    # BEGIN SOLUTION
+    # HINT: work on a copy of x (the caller's tensor must not change), cut into n chunks (views), with a buffer
+    # HINT: of one chunk for what arrives. n - 1 steps; in each, comm.isend one of your chunks to the right,
+    # HINT: comm.irecv into the buffer from the left, wait on both, then add the buffer into your own copy of
+    # HINT: that chunk. The table above gives the chunk indices; you must end with chunk r complete.
     acc = x.clone()        # our running partial sums; we must not modify the caller's tensor
     chunks = acc.chunk(n)  # views into acc
     incoming = torch.empty_like(chunks[0])
     right, left = (r + 1) % n, (r - 1) % n
-    # BEGIN SOLUTION
-    # HINT: n - 1 steps; in each, comm.isend one of your chunks to the right, comm.irecv into `incoming`
-    # HINT: from the left, wait on both, then add `incoming` into your own copy of that chunk.
-    # HINT: The table above gives the chunk indices; you must end with chunk r complete.
     for step in range(n - 1):
         sending = comm.isend(chunks[(r - step - 1) % n], right)
         receiving = comm.irecv(incoming, left)
@@ -397,6 +400,13 @@ check.ring_reduce_scatter(my_reduce_scatter)
 # under a tracer, adds up the bytes of every `send` it recorded, and holds
 # them against your formula and against the `ring_bytes` that
 # `comm.all_reduce` records for a tensor of the same size.
+#
+# Those bytes are also how bandwidth is compared across collectives (nccl-tests
+# does it, section 4 uses it): the **bus bandwidth** of a call that took `t`
+# seconds on a tensor of S bytes is the bytes one rank put on its link per second,
+# `algbw × factor` with `algbw = S / t` and the ring factor: your formula's
+# `2(N-1)/N` for all-reduce, `(N-1)/N` for all-gather (S = its output) and
+# reduce-scatter (S = its input). Write `bus_bandwidth` too.
 
 # %%
 def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -419,9 +429,21 @@ def ring_bytes_sent(nbytes: int, world_size: int) -> int:
     # END SOLUTION
 
 
+def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> float:
+    """nccl-tests' bus bandwidth (bytes/s) of one call of ``op`` on a tensor of ``nbytes`` that took ``seconds``."""
+    # BEGIN SOLUTION
+    # HINT: the algorithm bandwidth is the tensor's bytes over the time; the bus bandwidth multiplies it by the
+    # HINT: fraction of those bytes one rank sends with a ring, which depends on the collective.
+    n = world_size
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[op]
+    algbw = nbytes / seconds
+    return algbw * factor
+    # END SOLUTION
+
+
 # %%
-# CHECK: my_all_reduce sums like comm.all_reduce (padded sizes too); ring_bytes_sent counts what a rank sends
-check.ring_all_reduce(my_all_reduce, ring_bytes_sent)
+# CHECK: my_all_reduce sums like comm.all_reduce (padded sizes too); ring_bytes_sent and bus_bandwidth count right
+check.ring_all_reduce(my_all_reduce, ring_bytes_sent, bus_bandwidth)
 
 # %% [markdown]
 # Notice: the bytes a rank sends, `2(N-1)/N · S`, *barely depend on N* — just
@@ -593,7 +615,7 @@ for op in OPS:
         for nbytes in (SIZES[0], SIZES[-1]):
             t, ring = median_row(op, n, nbytes)
             print(f"{op:<15}{n:>6}{plot.human_bytes(nbytes):>10}{t * 1e3:>9.2f} ms"
-                  f"{nbytes / t / 1e9:>8.3f} GB/s{ring / t / 1e9:>8.3f} GB/s")
+                  f"{nbytes / t / 1e9:>8.3f} GB/s{bus_bandwidth(op, nbytes, t, n) / 1e9:>8.3f} GB/s")
 
 # %% [markdown]
 # The same medians as bus bandwidth: with the ring factor taken out, the three
@@ -604,7 +626,8 @@ fig, ax = plt.subplots(figsize=(8, 4))
 for op in OPS:
     for n, style in zip(WORLDS, ("-o", "--s")):
         medians = [median_row(op, n, nbytes) for nbytes in SIZES]
-        ax.plot(SIZES, [ring / t / 1e9 for t, ring in medians], style, color=plot.color_for(op),
+        ax.plot(SIZES, [bus_bandwidth(op, nbytes, t, n) / 1e9 for nbytes, (t, _) in zip(SIZES, medians)], style,
+                color=plot.color_for(op),
                 label=f"{op}, {n} ranks")
 ax.set(xscale="log", yscale="log", xlabel="tensor size S (bytes)", ylabel="bus bandwidth (GB/s)",
        title="busbw = ring bytes sent per rank / time (median)")

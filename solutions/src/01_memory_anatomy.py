@@ -125,6 +125,21 @@ for name, shape in mlp_shapes.items():
 # that fused and capturable variants can update it on the device). Predict, don't
 # step an optimizer: the check measures a real AdamW step of three models and holds
 # your numbers against it.
+#
+# Then the same for a GPT **from its config alone**, before any model exists (how
+# you size a model you cannot build on one device): `predict_gpt_params(config)`
+# returns Ψ. The cell below prints gpt-tiny's parameter shapes, where the config's
+# sizes (`n_embd` d, `vocab_size` V, `block_size`, `n_layer` L) reappear; `config.bias`
+# says whether the Linear and LayerNorm layers have biases, and with
+# `config.tie_embeddings` the head shares the token embedding's weight (counted once).
+
+# %%
+tiny = models.build_model("gpt-tiny")
+print(tiny.config)
+for name, p in tiny.named_parameters():
+    if not name.startswith("blocks.") or name.startswith("blocks.0."):
+        print(f"  {name:28} {tuple(p.shape)}")
+print("  (blocks.1 ... have the same shapes as blocks.0)")
 
 # %%
 def predict_model_states(shapes: dict) -> dict:
@@ -141,11 +156,28 @@ def predict_model_states(shapes: dict) -> dict:
     # END SOLUTION
 
 
+def predict_gpt_params(config: models.GPTConfig) -> int:
+    """Ψ of models.GPT(config), from the config alone."""
+    d, V, L = config.n_embd, config.vocab_size, config.n_layer
+    # BEGIN SOLUTION
+    # HINT: add up the shapes printed above: the two embeddings, L blocks (two LayerNorms and four Linear
+    # HINT: layers, of widths d, 3d and 4d), the final LayerNorm, and the head unless it is tied.
+    b = 1 if config.bias else 0
+    layer_norm = d + b * d                                   # weight, bias
+    attention = (d * 3 * d + b * 3 * d) + (d * d + b * d)    # c_attn, c_proj
+    mlp = (d * 4 * d + b * 4 * d) + (4 * d * d + b * d)      # c_fc, c_proj
+    block = 2 * layer_norm + attention + mlp
+    head = 0 if config.tie_embeddings else V * d
+    return V * d + config.block_size * d + L * block + layer_norm + head
+    # END SOLUTION
+
+
 print("the MLP:", predict_model_states(mlp_shapes))
+print("gpt-tiny: Ψ =", predict_gpt_params(tiny.config))
 
 # %%
-# CHECK: your bytes against a real AdamW step of three models, measured by the tracker
-check.model_states(predict_model_states)
+# CHECK: your bytes against a real AdamW step of three models; your Ψ against built GPTs of five configs
+check.model_states(predict_model_states, predict_gpt_params)
 
 # %% [markdown]
 # So in fp32 with AdamW a model's states take 4Ψ + 4Ψ + 8Ψ = **16Ψ bytes** (plus a
@@ -224,10 +256,13 @@ def predict_mlp_activation_bytes(B: int) -> int:
     # BEGIN SOLUTION
     # HINT: list each op of Linear-ReLU-Linear-ReLU-Linear-cross_entropy with what its backward needs
     # HINT: (the probe above); count a tensor two ops share once; 4 bytes per fp32 value, 8 per int64.
-    inputs = FP32 * B * 8                 # x, kept by the first Linear
-    relu_outputs = 2 * FP32 * B * 16      # each is also the next Linear's input: stored once
-    loss = FP32 * B * 4 + INT64 * B + FP32  # log-probabilities, labels, the total weight
-    return inputs + relu_outputs + loss
+    x = FP32 * B * 8                      # kept by the first Linear
+    relu_1 = FP32 * B * 16                # its output, also the second Linear's input: stored once
+    relu_2 = FP32 * B * 16                # the same for the second ReLU and the third Linear
+    log_probs = FP32 * B * 4              # cross_entropy's log-softmax output
+    labels = INT64 * B
+    total_weight = FP32                   # the scalar nll_loss divides by
+    return x + relu_1 + relu_2 + log_probs + labels + total_weight
     # END SOLUTION
 
 
@@ -265,13 +300,20 @@ def predict_block_activation_bytes(config: models.GPTConfig, B: int, T: int) -> 
     # HINT: the softmax), the MLP (two Linear layers around a GELU 4d wide). Count values per kind: B*T*d,
     # HINT: B*T, and B*h*T*T; then 4 bytes each.
     btd = B * T * d
-    layer_norms = 2 * (btd + 2 * B * T)   # ln_1, ln_2: input, mean and rstd per row
-    attention = (btd                      # c_attn: its input (ln_1's output)
-                 + 3 * btd                # q, k, v: contiguous copies kept by the two matmuls
-                 + B * h * T * T          # softmax: its output, the attention probabilities
-                 + btd)                   # c_proj: its input
-    mlp = btd + 4 * btd + 4 * btd         # c_fc input; GELU input (4d); c_proj input = GELU output (4d)
-    return FP32 * (layer_norms + attention + mlp)
+    saved = {                             # fp32 values each op keeps for its backward
+        "ln_1 input": btd,                # the block's input
+        "ln_1 mean, rstd": 2 * B * T,
+        "c_attn input": btd,              # ln_1's output
+        "q, k, v": 3 * btd,               # contiguous copies kept by the two matmuls
+        "softmax output": B * h * T * T,  # the attention probabilities
+        "attn c_proj input": btd,
+        "ln_2 input": btd,                # the first residual sum
+        "ln_2 mean, rstd": 2 * B * T,
+        "c_fc input": btd,
+        "gelu input": 4 * btd,
+        "mlp c_proj input": 4 * btd,      # GELU's output: another 4d-wide tensor
+    }
+    return FP32 * sum(saved.values())
     # END SOLUTION
 
 
@@ -300,10 +342,15 @@ def predict_gpt_activation_bytes(config: models.GPTConfig, B: int, T: int) -> in
     # HINT: outside the blocks: the two embedding lookups keep their ids (token ids, and the positions),
     # HINT: the final LayerNorm and the head keep what a LayerNorm and a Linear keep, and the loss keeps what
     # HINT: cross_entropy keeps (its log-softmax is over V classes for every token).
-    embedding = INT64 * (B * T + T)                        # token ids and position ids
-    final = FP32 * (B * T * d + 2 * B * T + B * T * d)     # ln_f (input, stats), head (input)
-    loss = FP32 * (B * T * V + 1) + INT64 * B * T          # log-probs, total weight, targets
-    return blocks + embedding + final + loss
+    outside = {
+        "token ids": INT64 * B * T,
+        "position ids": INT64 * T,
+        "ln_f input, mean, rstd": FP32 * (B * T * d + 2 * B * T),
+        "head input": FP32 * B * T * d,
+        "loss: log-probs, total weight": FP32 * (B * T * V + 1),
+        "targets": INT64 * B * T,
+    }
+    return blocks + sum(outside.values())
     # END SOLUTION
 
 
@@ -312,6 +359,14 @@ def predict_gpt_activation_bytes(config: models.GPTConfig, B: int, T: int) -> in
 check.gpt_activations(predict_gpt_activation_bytes, predict_block_activation_bytes)
 
 # %% [markdown]
+# ## 3. One GPT training step
+#
+# Now `gpt-mini` (4 layers, width 256, 4 heads, vocabulary 256) on batches of
+# Shakespeare from `data.get_batch`. We run **two** steps, because the first is
+# special: AdamW allocates its state only inside the first `step()`. The tracker
+# samples the live bytes every time their total moves by 1 % of the peak, plus at
+# every snapshot and at the exact peak.
+#
 # One helper runs training steps under a fresh tracker and records a snapshot
 # after each phase. `reset_peak()` at the start of each step gives one peak per
 # step. The batches are made *before* tracking (so the data loader's own buffers
@@ -349,15 +404,6 @@ def train_steps(model, batches, loss_fn, lr=1e-3, **tracker_options):
             peaks.append((tracker.peak_total, dict(tracker.peak_by_category)))
     tracker.close()
     return tracker, opt, snaps, peaks
-
-# %% [markdown]
-# ## 3. One GPT training step
-#
-# Now `gpt-mini` (4 layers, width 256, 4 heads, vocabulary 256) on batches of
-# Shakespeare from `data.get_batch`. We run **two** steps, because the first is
-# special: AdamW allocates its state only inside the first `step()`. The tracker
-# samples the live bytes every time their total moves by 1 % of the peak, plus at
-# every snapshot and at the exact peak.
 
 # %%
 GPT_NAME, B_GPT, T_GPT = "gpt-mini", 4, 64

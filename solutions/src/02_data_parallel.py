@@ -286,7 +286,9 @@ check.bucketed_ddp(BucketedDDP)
 # %%
 def explore_bucket_size(bucket_cap_mb: float = 1.0):
     """Run your BucketedDDP on gpt-mini (N2 ranks, 3 steps) at this cap; print its overlap, draw the last step."""
-    runs = launch(check_worker, N2, BucketedDDP, bucket_cap_mb, 3, "gpt-mini", GLOBAL_BATCH, False, timeout=120)
+    # check.traced_steps is the check's loop: forward, backward, your finish_gradient_sync, 3 traced steps
+    runs = launch(check.traced_steps, N2, BucketedDDP, bucket_cap_mb, 3, "gpt-mini", GLOBAL_BATCH, False,
+                  timeout=120)
     rep = check.step_report(runs[0]["trace"], 2)
     print(f"cap {bucket_cap_mb:g} MiB: {rep['all_reduces']} all-reduces per step, {rep['launched_in_backward']} "
           f"launched during backward, {rep['in_flight_at_backward_end']} still in flight when it ended; "
@@ -297,7 +299,6 @@ def explore_bucket_size(bucket_cap_mb: float = 1.0):
     return fig
 
 
-check_worker = check._bucketed_worker  # the check's training loop: 3 traced steps, no optimizer
 widgets.interactive(explore_bucket_size, {"manual": True, "manual_name": "run"},
                     bucket_cap_mb=widgets.FloatLogSlider(value=1.0, base=2, min=-4, max=5, step=1,
                                                          description="cap (MiB)"))
