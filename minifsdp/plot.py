@@ -37,6 +37,7 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from . import comm
+from .estimate import format_bytes
 from .trace import COMM, COMPUTE, MemorySample, Trace
 
 __all__ = ["timeline", "memory", "bandwidth", "collective_diagram", "human_bytes",
@@ -73,19 +74,12 @@ class Figure(matplotlib.figure.Figure):
 
 
 def human_bytes(n: float) -> str:
-    """Bytes in binary units with one decimal, as the lab prints them everywhere.
+    """Bytes in binary units with one decimal, as the lab prints them everywhere (``estimate.format_bytes``).
 
     >>> human_bytes(512), human_bytes(4 * 2**20), human_bytes(1536), human_bytes(0)
     ('512 B', '4.0 MiB', '1.5 KiB', '0 B')
     """
-    sign, n = ("-" if n < 0 else ""), abs(float(n))
-    if n < 1024:
-        return f"{sign}{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.1f} {unit}"
-    raise AssertionError("unreachable")
+    return format_bytes(n, digits=1)
 
 
 def color_for(name: str) -> str:
