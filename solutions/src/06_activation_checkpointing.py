@@ -1,0 +1,495 @@
+# Lab 06 - activation checkpointing. Source of solutions/06_activation_checkpointing.ipynb and
+# labs/06_activation_checkpointing.ipynb: edit this file, then run tools/make_labs.py.
+
+# %% [markdown]
+# # 06 - Activation checkpointing: trading compute for memory
+#
+# Lab 01 measured where training memory goes, and lab 04 divided parameters,
+# gradients and optimizer state by the number of ranks with FSDP. What FSDP cannot
+# divide is the **activations**: what the forward pass keeps for the backward pass,
+# which grows with batch × sequence × layers. Activation checkpointing (Chen et al.
+# 2016) keeps only each block's **input** and runs the block's forward **again** in
+# backward, when its saved tensors are needed: one extra forward for most of the
+# activation memory.
+#
+# **You will be able to**: write activation checkpointing twice, the way PyTorch
+# does — an autograd `Function` that re-runs the forward inside its backward
+# (*reentrant*) and a pair of saved-tensor hooks that recompute on demand
+# (*non-reentrant*) — with gradients bit-identical to no checkpointing, dropout
+# included; write a *selective* policy that keeps the expensive ops' outputs and
+# recomputes only the cheap ones; predict, to the byte, the activations left when k
+# of L blocks are checkpointed; and apply it all to FSDP with `checkpoint_wrapper`.
+#
+# **Prerequisites**: lab 01 (the memory tracker, what autograd saves), lab 04 (FSDP).
+# **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
+# (one process, plus one 2-rank run at the end), the same on a GPU VM.
+#
+# **Exercises**: 1. reentrant checkpoint, an autograd Function · 2. non-reentrant
+# checkpoint, saved-tensor hooks · 3. selective checkpointing: two dispatch modes and a policy · 4. activations
+# left with k of L blocks checkpointed.
+#
+# **Symbols**: B = batch (sequences), T = sequence length, d = model width, h = heads,
+# L = blocks; activation sizes are written in fp32 values, e.g. B·T·d values = 4·B·T·d bytes.
+
+# %%
+import functools
+import itertools
+import time
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minifsdp import data, estimate, models, plot
+from minifsdp.checkpoint import (CheckpointImpl, apply_activation_checkpointing, checkpoint,
+                                 checkpoint_wrapper, create_selective_checkpoint_contexts)
+from minifsdp.estimate import format_bytes
+from minifsdp.labcheck import lab06 as check
+from minifsdp.memory import ACTIVATIONS, MemoryTracker
+from minifsdp.train import TrainConfig, train
+
+torch.set_num_threads(1)  # small tensors: one thread is as fast, and steady when cores are shared
+notebook_start = time.perf_counter()
+FP32 = 4
+CONFIG = models.MODEL_PRESETS["gpt-mini"]  # L=4 blocks, d=256, h=4, T up to 64
+BATCH, SEQ = 4, 64
+x_batch, y_batch = data.get_batch(0, BATCH, SEQ)
+
+
+def measure_step(model, batch=(x_batch, y_batch), seed=1):
+    """One forward+backward under a MemoryTracker: activations saved for backward (what is alive after the
+    forward, less the 4-byte loss value itself), the peak, seconds, and the tracker."""
+    tracker = MemoryTracker()
+    tracker.track_model(model)
+    x, y = batch
+    with tracker:
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        loss = models.lm_loss(model(x.clone()), y.clone())
+        activations = tracker.snapshot("forward")[ACTIVATIONS] - loss.nbytes  # saved for backward
+        loss.backward()
+        seconds = time.perf_counter() - start
+        tracker.snapshot("backward")
+    tracker.close()
+    return activations, tracker.peak_total, seconds, tracker
+
+# %% [markdown]
+# ## 1. What a block keeps, and what checkpointing gives back
+#
+# `estimate.gpt_layer_activation_breakdown` lists, tensor by tensor, what one GPT block
+# saves for its backward (lab 01 derived it). A checkpointed block saves none of it:
+# it keeps its input, B·T·d values, and rebuilds the rest when backward reaches it.
+
+# %%
+breakdown = estimate.gpt_layer_activation_breakdown(CONFIG, BATCH, SEQ)
+per_block = sum(breakdown.values())
+kept_input = BATCH * SEQ * CONFIG.n_embd * FP32
+for name, n in breakdown.items():
+    print(f"  {name:<20} {format_bytes(n):>11}")
+print(f"one block saves {format_bytes(per_block)}; checkpointed it keeps its input, {format_bytes(kept_input)} "
+      f"({kept_input / per_block:.1%})")
+
+# %% [markdown]
+# ## 2. Exercise 1: reentrant checkpoint, an autograd Function
+#
+# The original recipe, and `torch.utils.checkpoint(..., use_reentrant=True)`. The whole
+# block becomes **one node** of the autograd graph:
+#
+# * `forward(ctx, run, *inputs)`: run the block under `torch.no_grad()`, so none of its
+#   ops saves anything; keep only the inputs (`ctx.save_for_backward`) and `run`.
+# * `backward(ctx, grad_output)`: build the block's graph **again** — on fresh leaf
+#   copies of the inputs that require grad, with gradients enabled (backward runs with
+#   them disabled) — then call `torch.autograd.backward(output, grad_output)` on it: a
+#   backward *inside* the backward, which "re-enters" the autograd engine. It fills the
+#   block's parameter gradients and the leaves' `.grad`; return those, one per input of
+#   `forward` (`None` for `run`).
+#
+# Dropout: the recompute must draw **the same masks** as the forward. Remember the CPU
+# random-number generator's state at the start of `forward` (`torch.get_rng_state()`),
+# and in backward put it back inside `torch.random.fork_rng(devices=[])` (which restores
+# the caller's stream afterwards). On a GPU the library also saves the CUDA generators'
+# states; this check runs on the CPU.
+
+# %%
+class ReentrantCheckpoint(torch.autograd.Function):
+    """``ReentrantCheckpoint.apply(run, x)``: run(x), its activations recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        # BEGIN SOLUTION
+        # HINT: keep run, the RNG state and the inputs in ctx; run the block so that nothing inside it is saved.
+        ctx.run = run
+        ctx.rng_state = torch.get_rng_state()
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return run(*inputs)
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # BEGIN SOLUTION
+        # HINT: new leaves from the saved inputs; the same RNG state; a graph built with gradients enabled;
+        # HINT: backpropagate grad_output through it; one gradient per forward input (None for run).
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.rng_state)
+            output = ctx.run(*inputs)
+        torch.autograd.backward(output, grad_output)
+        return (None, *[x.grad for x in inputs])
+        # END SOLUTION
+
+# %%
+# CHECK: bit-identical gradients with dropout 0.1, and only the blocks' inputs kept after the forward
+check.reentrant(ReentrantCheckpoint)
+
+# %% [markdown]
+# ## 3. Exercise 2: non-reentrant checkpoint, saved-tensor hooks
+#
+# PyTorch's default since 2.x (`use_reentrant=False`). The block's ops stay ordinary
+# nodes of the one graph; only **what they save** changes.
+# `torch.autograd.graph.saved_tensors_hooks(pack, unpack)` calls `pack(tensor)` every
+# time an op inside it saves a tensor for backward and stores whatever `pack` returns
+# instead; in backward, `unpack(that)` must give the tensor back.
+#
+# * forward: `pack` returns a small placeholder — the tensor's number in saving order
+#   (0, 1, 2, …) — and drops the tensor;
+# * backward: the first `unpack` of the block re-runs it (same RNG state, gradients
+#   enabled) under a second pair of hooks whose `pack` **collects** every saved tensor,
+#   in order; the forward and the recompute run the same ops, so the i-th collected
+#   tensor is the i-th the forward dropped. Hand each out once.
+#
+# Nothing re-enters the engine, so `torch.autograd.grad` works, keyword arguments and
+# any output structure work, and parameters get gradients even when no input requires
+# grad (the reentrant Function's blind spot: see the cell after the check).
+
+# %%
+def checkpoint_with_hooks(run, *inputs):
+    """run(*inputs), its saved tensors dropped in forward and recomputed at the first unpack."""
+    rng_state = torch.get_rng_state()
+    # BEGIN SOLUTION
+    # HINT: pack: a counter value. unpack(i): if nothing is recomputed yet, re-run `run` with the forward's RNG
+    # HINT: and gradients enabled under hooks that collect the saved tensors; then return (and forget) the i-th.
+    numbers = itertools.count()
+    recomputed = {}
+
+    def pack(tensor):
+        return next(numbers)
+
+    def unpack(i):
+        if i not in recomputed:
+            collected = []
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: collected.append(t.detach()), lambda _: None):
+                torch.set_rng_state(rng_state)
+                run(*[x.detach().requires_grad_(x.requires_grad) for x in inputs])
+            recomputed.update(enumerate(collected))
+        return recomputed.pop(i)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return run(*inputs)
+    # END SOLUTION
+
+# %%
+# CHECK: bit-identical gradients with dropout 0.1, and only the blocks' inputs kept after the forward
+check.hooks(checkpoint_with_hooks)
+
+# %% [markdown]
+# The reentrant Function's blind spot, through the library (`minifsdp.checkpoint`, whose
+# `reentrant.py` and `non_reentrant.py` are your two exercises, side by side): gradients
+# reach the block's parameters only through the nested backward, which runs only if the
+# Function's output requires grad, i.e. if an *input* does. Frozen embeddings or a first
+# layer fed token ids would silently get no gradient; torch warns, minifsdp stops.
+
+# %%
+frozen_input = torch.randn(2, 8)  # requires_grad=False, like token ids or a frozen layer's output
+layer = torch.nn.Linear(8, 8)
+try:
+    checkpoint(layer, frozen_input, use_reentrant=True)
+except ValueError as err:
+    print("reentrant:    ", err)
+checkpoint(layer, frozen_input, use_reentrant=False).sum().backward()
+print("non-reentrant: the weight gradient is there:", layer.weight.grad is not None)
+
+# %% [markdown]
+# ## 4. The price: one extra forward
+#
+# A checkpointed block runs its forward twice. A backward costs about two forwards
+# (a gradient for the input and one for the weights), so a step goes from about 3 to
+# about 4 forwards' worth of FLOPs: at most 4/3. A dispatch mode (like lab 01's tracker, it
+# sees every aten op) counts the matmul FLOPs of one step exactly; the clock measures this
+# CPU, noisily.
+
+# %%
+def with_checkpointing(mode, k=None):
+    """gpt-mini with its first k blocks (all: None) checkpointed: 'none', 'full' or 'selective'."""
+    model = models.build_model("gpt-mini", seed=0)
+    linears = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, linears)} \
+        if mode == "selective" else {}
+    for i in range(CONFIG.n_layer if k is None else k):
+        if mode != "none":
+            model.blocks[i] = checkpoint_wrapper(model.blocks[i], CheckpointImpl.NO_REENTRANT, **extra)
+    return model
+
+
+class OpTable(TorchDispatchMode):
+    """Every aten op run inside: calls, bytes of new outputs (views are free), and matmul FLOPs
+    (2·m·k·n for an (m×k)·(k×n) product; elementwise ops are negligible next to them)."""
+
+    MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.bmm.default: 0,
+               torch.ops.aten.addmm.default: 1, torch.ops.aten.baddbmm.default: 1}  # op -> index of 1st factor
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.bytes, self.flops = {}, {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor)}
+        new = isinstance(out, torch.Tensor) and id(out.untyped_storage()) not in inputs
+        first = self.MATMULS.get(func)
+        flops = 0 if first is None else 2 * args[first].numel() * args[first + 1].shape[-1]
+        self.calls[func] = self.calls.get(func, 0) + 1
+        self.bytes[func] = self.bytes.get(func, 0) + (out.nbytes if new else 0)
+        self.flops[func] = self.flops.get(func, 0) + flops
+        return out
+
+
+def step_flops(model):
+    """Matmul FLOPs of one forward + backward (recompute included)."""
+    with OpTable() as table:
+        models.lm_loss(model(x_batch), y_batch).backward()
+    return sum(table.flops.values())
+
+
+cost = {}
+for mode in ("none", "full", "selective"):
+    model = with_checkpointing(mode)
+    flops = step_flops(model)  # also the warm-up for the clock
+    activations, peak, seconds, _ = measure_step(model)
+    cost[mode] = (flops, activations, peak, seconds)
+forward_flops = cost["none"][0] / 3
+for mode, (flops, activations, peak, seconds) in cost.items():
+    print(f"{mode:<10} {flops / 1e9:6.2f} GFLOP ({flops / cost['none'][0]:.2f}x)  activations "
+          f"{format_bytes(activations):>10}  peak {format_bytes(peak):>10}  {seconds * 1e3:6.0f} ms "
+          "(under the tracker)")
+extra = (cost["full"][0] - cost["none"][0]) / forward_flops
+print(f"full checkpointing recomputes {extra:.2f} forwards' worth of matmul FLOPs (at most 1); "
+      f"selective {(cost['selective'][0] - cost['none'][0]) / forward_flops:.2f}")
+
+# %% [markdown]
+# Full checkpointing adds one forward of the blocks (the embedding and head are not
+# recomputed, hence a little under 1); *selective* adds almost nothing in matmul FLOPs,
+# for part of the memory. The clock on a laptop CPU says less: these tensors are small,
+# so Python overhead weighs (selective checkpointing passes every op of a block through
+# two Python dispatch modes) and other programs share the cores. On a GPU, with large
+# matmuls, the FLOP ratio is the one to expect. Where does that middle ground come from?
+#
+# ## 5. Exercise 3: selective checkpointing
+#
+# Korthikanti et al. 2022 observed that a transformer block's **FLOPs** and its
+# **activation bytes** sit in different ops. The table lists every aten op one block
+# runs in its forward (the `OpTable` mode above), with the bytes of its new outputs and its FLOPs.
+
+# %%
+block = models.build_model("gpt-mini", seed=0).blocks[0]
+block_input = torch.randn(BATCH, SEQ, CONFIG.n_embd)
+with OpTable() as table:
+    block(block_input)
+print(f"{'aten op':<28}{'calls':>6}{'output bytes':>14}{'MFLOP':>9}")
+for op, nbytes in sorted(table.bytes.items(), key=lambda kv: -kv[1]):
+    if nbytes:
+        print(f"{str(op):<28}{table.calls[op]:>6}{format_bytes(nbytes):>14}{table.flops[op] / 1e6:>9.1f}")
+
+# %% [markdown]
+# `torch.utils.checkpoint`'s selective checkpointing (`create_selective_checkpoint_contexts`,
+# which minifsdp mirrors in `checkpoint/selective.py`) runs on the machinery of the table
+# above: two dispatch modes, one around the forward and one around the recompute, handed
+# to non-reentrant checkpointing as `context_fn`. Write both, and the policy:
+#
+# * `KeepOutputs` (forward): run every op; when `policy(ctx, op, *args, **kwargs)` says
+#   True, also keep that op's output (detached), in a list per op, in call order.
+#   Autograd sits *above* the modes, so what you keep is a plain tensor — memory you
+#   chose to spend.
+# * `ReuseOutputs` (recompute): for an op whose outputs were kept, the k-th call gets the
+#   k-th kept output back instead of running; every other op runs. Autograd builds the
+#   same graph either way, and finds some results ready.
+# * `keep_expensive(ctx, op, ...)`: True for the ops whose outputs are worth keeping.
+#   Target: backward recomputes **no linear layer** (the FLOPs in the table) while keeping
+#   no more activations than that needs. `op` is an aten overload such as
+#   `torch.ops.aten.gelu.default`.
+#
+# The check runs your policy with the library's modes, then your modes with the library's
+# policy, so a verdict names the part that is off; it counts the matmuls backward runs and
+# measures the activations after the forward.
+
+# %%
+class KeepOutputs(TorchDispatchMode):
+    """Forward: run every op, and keep the outputs of those `policy` chooses (kept[op] = [out, ...])."""
+
+    def __init__(self, policy, kept):
+        super().__init__()
+        self.policy, self.kept = policy, kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # BEGIN SOLUTION
+        # HINT: ask the policy about this op; if yes, append a detached alias of the output to this op's list.
+        if self.policy(None, func, *args, **kwargs):
+            self.kept.setdefault(func, []).append(out.detach())
+        # END SOLUTION
+        return out
+
+
+class ReuseOutputs(TorchDispatchMode):
+    """Recompute: the k-th call of a kept op returns the k-th kept output; other ops run."""
+
+    def __init__(self, kept):
+        super().__init__()
+        self.kept, self.calls = kept, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # BEGIN SOLUTION
+        # HINT: count this op's calls; a kept op returns (a detached alias of) its matching kept output.
+        if func in self.kept:
+            k = self.calls.get(func, 0)
+            self.calls[func] = k + 1
+            return self.kept[func][k].detach()
+        return func(*args, **kwargs)
+        # END SOLUTION
+
+
+def keep_expensive(ctx, op, *args, **kwargs):
+    """True: keep this op's output until backward; False: recompute it."""
+    # BEGIN SOLUTION
+    # HINT: a Linear layer on CPU and GPU is one aten op (two names: with and without a bias); attention's batched
+    # HINT: matmuls have quadratic outputs, so recomputing them is the cheaper trade here.
+    return op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    # END SOLUTION
+
+# %%
+# CHECK: no linear matmul recomputed in backward, bit-identical gradients, activations at most the target
+check.selective(KeepOutputs, ReuseOutputs, keep_expensive)
+
+# %% [markdown]
+# ## 6. Exercise 4: where to checkpoint
+#
+# Checkpointing is per block: with k of the L blocks checkpointed you choose a point on
+# the memory–compute line. Predict the activation bytes alive after the forward of a GPT
+# with its **first k blocks** checkpointed (fully), from `estimate.gpt_activation_bytes`
+# (no checkpointing: its `"total"` and its `"per_layer"`) and the shapes. The check
+# measures k = 0 … L on two models of different widths and compares to the byte.
+
+# %%
+def predict_activations(config, batch, seq_len, k):
+    """Bytes of activations after the forward, fp32, with the first k blocks checkpointed."""
+    plain = estimate.gpt_activation_bytes(config, batch, seq_len)
+    # BEGIN SOLUTION
+    # HINT: each checkpointed block gives back everything it would have saved, except what it needs to start again.
+    kept = batch * seq_len * config.n_embd * FP32
+    return plain["total"] - k * (plain["per_layer"] - kept)
+    # END SOLUTION
+
+# %%
+# CHECK: your bytes equal the tracker's measurement for every k on two models
+check.predicted_activations(predict_activations)
+
+# %% [markdown]
+# Now gpt-mini, measured for every k, beside your prediction and the library's formula
+# (`estimate.gpt_checkpoint_activation_bytes`). The **peak** of the step is the
+# activations plus the parameters, gradients and the largest backward working set: with
+# k ≥ 1 that includes one recomputed block, so the peak falls less than the activations do.
+
+# %%
+ks = list(range(CONFIG.n_layer + 1))
+measured = [measure_step(with_checkpointing("full", k)) for k in ks]
+yours = [predict_activations(CONFIG, BATCH, SEQ, k) for k in ks]
+library = [estimate.gpt_checkpoint_activation_bytes(CONFIG, BATCH, SEQ, checkpointed_layers=k)["total"] for k in ks]
+MiB = 2**20
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+ax.plot(ks, [m[0] / MiB for m in measured], "o-", label="activations after forward, measured")
+ax.plot(ks, [y / MiB for y in yours], "x--", label="your prediction")
+ax.plot(ks, [v / MiB for v in library], ":", label="estimate.gpt_checkpoint_activation_bytes")
+ax.plot(ks, [m[1] / MiB for m in measured], "s-", label="peak of the step, measured")
+ax.set_xlabel("checkpointed blocks k (of L = 4)")
+ax.set_ylabel("MiB")
+ax.set_xticks(ks)
+ax.set_title(f"gpt-mini, B={BATCH}, T={SEQ}, fp32")
+ax.legend(fontsize=8)
+plt.show()
+print("measured == yours == library at every k:",
+      all(m[0] == y == v for m, y, v in zip(measured, yours, library)))
+
+# %% [markdown]
+# Each checkpointed block lowers the activations by the same step, the straight line of
+# your formula; the peak falls by less, since backward rebuilds one block at a time.
+#
+# ### Explore: the memory curve of one step
+#
+# Move the slider to checkpoint k blocks and see the whole step: the activations rise
+# block by block in the forward and drain in the backward; a checkpointed block's
+# recompute shows up as a small bump inside the backward.
+
+# %%
+def show_step(k=2, mode="full"):
+    """Draw the memory of one training step of gpt-mini with its first k blocks checkpointed."""
+    activations, peak, seconds, tracker = measure_step(with_checkpointing(mode, k))
+    fig = plot.memory(tracker.samples, title=f"{mode} checkpointing of {k} of {CONFIG.n_layer} blocks: "
+                                              f"activations {format_bytes(activations)}, peak {format_bytes(peak)}")
+    plt.show()
+    return fig
+
+
+widgets.interactive(show_step, {"manual": True, "manual_name": "draw"},
+                    k=widgets.IntSlider(value=2, min=0, max=CONFIG.n_layer, description="blocks k"),
+                    mode=widgets.ToggleButtons(options=["full", "selective"], value="full"))
+
+# %% [markdown]
+# The same function, called plainly:
+
+# %%
+fig = show_step(k=4, mode="full")
+
+# %% [markdown]
+# ## 7. With FSDP
+#
+# PyTorch's recipe: checkpoint the blocks, then wrap with FSDP (minifsdp's FSDP behaves
+# the same). FSDP wraps each block inside its checkpoint wrapper; when backward recomputes
+# a block, FSDP has already gathered its parameters for that block's backward. The state
+# dict's keys are the plain model's (the wrapper's `_checkpoint_wrapped_module.` is
+# stripped), so checkpoints load either way:
+#
+#     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+#     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+#
+# The trainer does exactly that with `--checkpoint full|selective`. Two ranks, gpt-mini:
+
+# %%
+runs = {}
+for mode in ("none", "full", "selective"):
+    runs[mode] = train(TrainConfig(strategy="fsdp", world_size=2, model="gpt-mini", steps=2, batch_size=8,
+                                   checkpoint=mode, quiet=True, write_plots=False,
+                                   out=f"runs/lab06/fsdp-{mode}"))
+for mode, m in runs.items():
+    print(f"fsdp, --checkpoint {mode:<9}: peak {format_bytes(max(m['peak_bytes'])):>10} per rank, "
+          f"losses {[round(v, 4) for v in m['losses']]}")
+print("same losses:", all(r["losses"] == runs["none"]["losses"] for r in runs.values()))
+
+# %% [markdown]
+# ## Summary
+#
+# * A checkpointed block keeps its input (B·T·d values) and rebuilds everything else in
+#   backward: one extra forward for most of the activation memory.
+# * Reentrant: one autograd Function, a nested backward; needs an input that requires grad.
+#   Non-reentrant: saved-tensor hooks, no nesting, works with `torch.autograd.grad`,
+#   kwargs and frozen inputs; PyTorch's default.
+# * Recompute must repeat the forward exactly: same ops, same RNG state.
+# * Selective checkpointing keeps the outputs of the FLOP-heavy ops and recomputes the
+#   cheap ones: most of the saving, almost none of the cost.
+# * Memory falls linearly with the number of checkpointed blocks, as predicted to the byte.
+
+# %%
+print(f"notebook ran in {time.perf_counter() - notebook_start:.0f} s")
