@@ -161,7 +161,10 @@ def plan(model: str | GPTConfig, *, batch: int, seq_len: int | None = None, dp: 
         strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "full_shard"}[zero_stage]
         units = stage_blocks if zero_stage == 3 else sum(stage_blocks)
         root = local - sum(stage_blocks)
-        dpc = estimate.comm_bytes_per_step(units, dp, strategy, "fp32" if elem == 4 else "bf16", root_numel=root)
+        # DDP (and ZeRO-1 on it) broadcasts the buffers before each forward: GPT's causal masks, 1 byte a cell
+        buffers = config.n_layer * config.block_size ** 2 if zero_stage in (0, 1) else 0
+        dpc = estimate.comm_bytes_per_step(units, dp, strategy, "fp32" if elem == 4 else "bf16", root_numel=root,
+                                           buffer_bytes=buffers)
         dpc.pop("total", None)
         comm["dp"] = dpc
     layout = {"dp": dp, "pp": pp, "tp": tp, "micro_batches": micro_batches, "precision": precision,

@@ -216,6 +216,20 @@ def _tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
+@strategy("torch-tp")
+def _torch_tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
+    # PyTorch's own (DTensor Colwise/RowwiseParallel) on the same splits as tp, for the benchmark;
+    # its loss and backward must run inside loss_parallel, so it brings its own train_step.
+    import functools
+
+    from .tensor_parallel.torch_tp import torch_tensor_parallel_gpt, torch_tp_train_step
+
+    wrapped = torch_tensor_parallel_gpt(model, cfg.tp)
+    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped)
+    wrapped.data_parallel_rank, wrapped.data_parallel_size = 0, 1  # every rank reads the whole batch
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
 # PyTorch's own implementations, for comparison (torch_reference.py): torch-ddp,
 # torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard).
 STRATEGIES.update(torch_reference.STRATEGIES)
@@ -253,9 +267,9 @@ def validate(cfg: TrainConfig) -> None:
                          "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
     if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
         _validate_pipeline(cfg)
-    if cfg.strategy in ("tp", "fsdp+tp"):
+    if cfg.strategy in ("tp", "fsdp+tp", "torch-tp"):
         _validate_tensor_parallel(cfg)
-    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "torch-pp", "tp")
+    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "torch-pp", "tp", "torch-tp")
            else cfg.world_size) * cfg.grad_accum
     if cfg.batch_size < per or cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of world size x grad accum = {per} "
@@ -287,6 +301,9 @@ def _validate_tensor_parallel(cfg: TrainConfig) -> None:
     from .tensor_parallel import check_divisible
 
     dp = cfg.dp if cfg.strategy == "fsdp+tp" else 1
+    if cfg.strategy == "torch-tp" and (cfg.grad_accum != 1 or cfg.sequence_parallel):
+        raise ValueError("--strategy torch-tp runs one micro-batch per step without sequence parallel: "
+                         "drop --grad-accum / --sequence-parallel")
     if cfg.tp < 1 or dp < 1:
         raise ValueError(f"--tp and --dp must be >= 1, got --tp {cfg.tp} --dp {dp}")
     if cfg.world_size != dp * cfg.tp:
@@ -534,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
     pipeline_world = a.pp * (a.dp if a.strategy == "pp+dp" else 1)
-    model_world = {"tp": a.tp, "fsdp+tp": a.dp * a.tp}.get(a.strategy)
+    model_world = {"tp": a.tp, "torch-tp": a.tp, "fsdp+tp": a.dp * a.tp}.get(a.strategy)
     world = a.world_size if a.world_size is not None else (
         1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp", "torch-pp") else model_world or 2)
     return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,

@@ -1,0 +1,74 @@
+"""The same split with PyTorch's own ``torch.distributed.tensor.parallel``, for side-by-side runs.
+
+Layer 5 (techniques; a reference, not part of the lesson). ``torch_tensor_parallel_gpt``
+applies ``ColwiseParallel`` / ``RowwiseParallel`` (DTensor, a ``DeviceMesh("cpu" |
+"cuda", (tp,))``) to the same places ``gpt.py`` splits: q/k/v and ``c_fc`` by
+columns, the two ``c_proj`` by rows, the token embedding by vocabulary rows
+and the head by vocabulary columns; the loss and its backward run under
+``loss_parallel`` (``torch_tp_train_step``), so torch too never gathers the
+logits. Two adaptations, both numerically neutral: ``c_attn``'s rows are
+reordered so that torch's contiguous column split gives each rank whole heads ([q_r; k_r; v_r], what ``stride=3`` does in
+``layers.py``), and attention reads its local head count from the shapes.
+The trainer's ``--strategy torch-tp``; bench pairs it with ``tp``.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .. import dist, models
+
+__all__ = ["torch_tensor_parallel_gpt", "torch_tp_train_step"]
+
+
+def _local_heads_forward(self: models.CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+    qkv = self.c_attn(x)                                 # (B, T, 3 * d/tp) on this rank
+    B, T, three_local = qkv.shape
+    hd = self.n_embd // self.n_head
+    h = three_local // 3 // hd
+    q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=2))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+    scores = scores.masked_fill(self.future_mask[:T, :T], float("-inf"))
+    y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(B, T, h * hd)
+    return self.c_proj(y)
+
+
+def torch_tensor_parallel_gpt(model: models.GPT, tp: int) -> models.GPT:
+    """``model`` parallelized in place over all ``tp`` ranks with torch's DTensor tensor parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    d = model.config.n_embd
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn
+            for p in (attn.c_attn.weight, attn.c_attn.bias):
+                if p is None:
+                    continue
+                pieces = [part.chunk(tp) for part in p.split(d)]          # q, k, v, each in tp slices
+                p.copy_(torch.cat([pieces[i][r] for r in range(tp) for i in range(3)]))
+            attn.forward = types.MethodType(_local_heads_forward, attn)
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
+    mesh = init_device_mesh(dist.device().type, (tp,))
+    return parallelize_module(model, mesh, plan)
+
+
+def torch_tp_train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, ``models.lm_loss`` on the vocab-sharded DTensor logits and backward, all inside
+    ``loss_parallel`` (torch requires the backward there too); returns the loss as a plain tensor."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.reshape(-1))
+        loss.backward()
+    loss = loss.detach()
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
