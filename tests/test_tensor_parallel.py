@@ -2,6 +2,8 @@
 whole GPT trains as the single process does (with and without sequence parallel), and the tracer
 counts exactly the collectives the paper's design predicts."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,3 +70,18 @@ def test_mlp_same_as_torch_tensor_parallel(sequence_parallel):
     """PyTorch's own ColwiseParallel/RowwiseParallel (DTensor, gloo) on the same MLP: same numbers."""
     for rank, errs in enumerate(launch(tp_helpers.torch_tp_mlp, 2, 2, sequence_parallel, timeout=120)):
         assert max(errs.values()) < TOL, (rank, errs)
+
+
+def test_activation_memory_down_by_the_predicted_factor():
+    """gpt-mini (2 layers), B=4, T=64: activations after forward, one rank vs TP=2 vs TP=2 + SP, each within 3 %
+    of the planner's prediction, so the TP and SP savings are the predicted ones."""
+    from minifsdp import planner
+
+    config = dataclasses.replace(models.MODEL_PRESETS["gpt-mini"], n_layer=2)
+    measured = {(1, False): launch(tp_helpers.activations_after_forward, 1, 1, False, n_layer=2, timeout=120)[0]}
+    for sp in (False, True):
+        measured[(2, sp)] = launch(tp_helpers.activations_after_forward, 2, 2, sp, n_layer=2, timeout=120)[0]
+    for (tp, sp), kept in measured.items():
+        predicted = planner.plan(config, batch=4, seq_len=64, tp=tp, sequence_parallel=sp).memory["activations"]
+        assert kept == pytest.approx(predicted, rel=0.03), (tp, sp, kept, predicted)
+    assert measured[(2, True)] < measured[(2, False)] < measured[(1, False)]

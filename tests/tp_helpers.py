@@ -217,3 +217,21 @@ def torch_tp_mlp(tp, sequence_parallel):
             "c_fc": _err(ours.c_fc.weight.grad, local(theirs.c_fc.weight.grad)),
             "c_proj": _err(ours.c_proj.weight.grad, local(theirs.c_proj.weight.grad)),
             "bias": _err(ours.c_proj.bias.grad, local(theirs.c_proj.bias.grad).reshape(-1))}
+
+
+def activations_after_forward(tp, sequence_parallel, batch=4, seq=64, **override):
+    """Bytes saved for backward after one forward of the (tensor-parallel) GPT, measured by the tracker."""
+    from minifsdp.memory import ACTIVATIONS, MemoryTracker
+
+    T.initialize_model_parallel(tp)
+    full = models.build_model("gpt-mini", **override)
+    model = T.tensor_parallel_gpt(full, sequence_parallel) if tp > 1 else full
+    x = torch.randint(0, 256, (batch, seq), generator=_gen(40))
+    tracker = MemoryTracker()
+    tracker.track_model(model)
+    with tracker:
+        logits = model(x)
+        loss = T.ParallelGPT.loss(logits, x) if tp > 1 else models.lm_loss(logits, x)
+        kept = tracker.snapshot("forward")[ACTIVATIONS] - loss.nbytes
+    tracker.close()
+    return kept
