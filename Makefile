@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_C) torch
 	$(PY) -m pip install -q $(PIP_C) -e ".[lab,test]"
+	# FairScale as a test reference only; its own requirements pin an old torch, so no deps
+	$(PY) -m pip install -q --no-deps fairscale==0.4.13
 	@touch $@
 
 demo: $(VENV)/.installed
