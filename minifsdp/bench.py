@@ -26,6 +26,7 @@ sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
     python -m minifsdp.bench --preset issue4      # every pair of README's table
     python -m minifsdp.bench --preset checkpoint  # side#full, side#selective: activation checkpointing
     python -m minifsdp.bench --preset pipeline    # pp@SCHEDULE vs torch-pp@SCHEDULE
+    python -m minifsdp.bench --preset precision   # side%bf16 (MixedPrecision policy), side%autocast
 
 HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x
 replicate 2). There torch's FSDP1 switches a shard group of one to NO_SHARD
@@ -50,6 +51,8 @@ import sys
 import tempfile
 from typing import Any
 
+import torch
+
 from . import estimate, models, planner
 from .train import SHARDING_OPTIONS, STRATEGIES, TrainConfig, train, validate
 
@@ -63,6 +66,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
     # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
     # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
+    # Issue 9: mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a
+    # MixedPrecision policy, torch's own on torch's side), side%autocast runs forward under torch.autocast.
+    "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
+                  "fsdp#full%bf16:torch-fsdp#full%bf16"),
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
@@ -90,7 +97,7 @@ class BenchConfig:
 def parse_side(side: str) -> tuple[str, str | None]:
     """``"fsdp@SHARD_GRAD_OP"`` -> ``("fsdp", "SHARD_GRAD_OP")``; ``"ddp"`` -> ``("ddp", None)`` (``#...``: see
     ``side_checkpoint``)."""
-    name, _, option = side.partition("#")[0].partition("@")
+    name, _, option = side.partition("#")[0].partition("%")[0].partition("@")
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
     if not option:
@@ -106,10 +113,24 @@ def parse_side(side: str) -> tuple[str, str | None]:
 
 def side_checkpoint(side: str) -> str:
     """``"fsdp#full"`` -> ``"full"``: the side's ``--checkpoint`` (none, full, selective); no ``#``: ``"none"``."""
-    mode = side.partition("#")[2] or "none"
+    mode = side.partition("#")[2].partition("%")[0] or "none"
     if mode not in ("none", "full", "selective"):
         raise ValueError(f"unknown checkpointing {mode!r} in --pairs side {side!r}; write side#full or side#selective")
     return mode
+
+
+PRECISION_SUFFIXES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp16": ("fp16", False),
+                      "autocast": ("fp32", True)}
+LOSS_RTOL_BY_PRECISION = {"fp32": LOSS_RTOL, "bf16": 2.0**-8, "fp16": 2.0**-11}  # one ulp of the compute dtype
+
+
+def side_precision(side: str) -> tuple[str, bool]:
+    """``"fsdp%bf16"`` -> ``("bf16", False)`` (train --precision bf16); ``"fsdp%autocast"`` -> ``("fp32", True)``."""
+    suffix = side.partition("%")[2].partition("#")[0] or "fp32"
+    if suffix not in PRECISION_SUFFIXES:
+        raise ValueError(f"unknown precision {suffix!r} in --pairs side {side!r}; write side%bf16, side%fp16 or "
+                         "side%autocast")
+    return PRECISION_SUFFIXES[suffix]
 
 
 def parse_pair(pair: str) -> tuple[str, str]:
@@ -120,6 +141,7 @@ def parse_pair(pair: str) -> tuple[str, str]:
     for side in sides:
         parse_side(side)
         side_checkpoint(side)
+        side_precision(side)
     return sides[0], sides[1]
 
 
@@ -135,7 +157,8 @@ def _config(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, st
         options = dict(sharding_strategy=option or "FULL_SHARD")
     return TrainConfig(strategy=name, world_size=world_size, model=cfg.model, steps=steps, batch_size=cfg.batch_size,
                        quiet=True, out=out, track_memory=track_memory, write_plots=False,
-                       checkpoint=side_checkpoint(side), **options)
+                       checkpoint=side_checkpoint(side), precision=side_precision(side)[0],
+                       autocast=side_precision(side)[1], **options)
 
 
 def _run(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
@@ -184,10 +207,15 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     strategy = comm_strategy(side)
+    precision = side_precision(side)[0]
+    if precision != "fp32" and parse_side(side)[0] != "fsdp":  # DDP/ZeRO: 16-bit gradients, fp32 buffers
+        return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
+                "n_params": models.count_parameters(model)}
     units, root = estimate.fsdp_unit_numels(model, (models.Block,))
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     shard = world_size // 2 if strategy == "hybrid_shard" else None
-    by_op = estimate.comm_bytes_per_step(units, world_size, strategy, root_numel=root, buffer_bytes=buffers,
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # FSDP's policy
+    by_op = estimate.comm_bytes_per_step(units, world_size, strategy, dtype, root_numel=root, buffer_bytes=buffers,
                                          shard_size=shard)
     total = by_op.pop("total")
     n_params = sum(units) + root
@@ -218,7 +246,9 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
                            "step_s": {k: statistics.median(v) for k, v in times.items()},
                            "step_s_all": times, "bytes_per_step": moved, "losses": losses}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
-    row["same_losses"] = all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(losses[ours], losses[theirs]))
+    precision, autocast = side_precision(ours)
+    rtol = LOSS_RTOL_BY_PRECISION["bf16" if autocast else precision]
+    row["same_losses"] = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(losses[ours], losses[theirs]))
     expected = expected_bytes(cfg.model, ours, world_size, cfg.batch_size)
     row["n_params"] = expected["n_params"]
     row["bytes_expected"], row["bytes_expected_by_op"] = expected["total"], expected["by_op"]

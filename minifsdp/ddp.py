@@ -65,6 +65,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from . import comm, dist, trace
+from .mixed_precision.policy import MixedPrecision
 
 __all__ = ["NaiveDataParallel", "BucketedDataParallel", "DistributedDataParallel", "Bucket", "bucket_assignment",
            "broadcast_coalesced"]
@@ -294,7 +295,14 @@ class BucketedDataParallel(nn.Module):
 
     ``state_dict()`` keys carry the ``module.`` prefix, as with torch DDP
     (``model.module.state_dict()`` gives the plain keys).
+
+    ``_reduce_dtype`` (set by ``DistributedDataParallel(mixed_precision=...)``):
+    the buckets hold that dtype, so the all-reduce moves half the bytes in
+    bf16/fp16 (what torch's ``bf16_compress_hook`` does); the averages are cast
+    back into the fp32 ``p.grad``.
     """
+
+    _reduce_dtype: torch.dtype | None = None  # None: the parameters' dtype
 
     def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None,
                  bucket_cap_mb: float | None = None):
@@ -334,7 +342,8 @@ class BucketedDataParallel(nn.Module):
         self._views: list[torch.Tensor] = [None] * len(self._params)  # parameter i -> its slice of the bucket
         for b, indices in enumerate(layout):
             ps = [self._params[i] for i in indices]
-            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=self._reduce_dtype or ps[0].dtype,
+                                 device=ps[0].device)
             views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in ps]), ps)]
             self.buckets.append(Bucket(b, [self._names[i] for i in indices], ps, buffer, views))
             for i, v in zip(indices, views):
@@ -436,7 +445,7 @@ class BucketedDataParallel(nn.Module):
         dst, src = [], []
         for p, view in zip(self._params, self._views):
             if p.grad is None:
-                p.grad = view.clone()
+                p.grad = view.to(p.dtype, copy=True)
             else:
                 dst.append(p.grad)
                 src.append(view)
@@ -482,7 +491,11 @@ class DistributedDataParallel(BucketedDataParallel):
     * ``static_graph``, ``batched_grad_copy`` - accepted; they change nothing here (there is no
       graph search to skip, and gradients are already copied in one pass per bucket).
       ``check_reduction`` - deprecated in torch; warns like torch.
-    * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``,
+    * ``mixed_precision`` - a ``minifsdp.mixed_precision.MixedPrecision`` whose ``reduce_dtype``
+      (bf16/fp16) is the all-reduce's dtype: half the bytes, fp32 gradients for the optimizer.
+      Compute in 16 bits with ``torch.autocast`` (``param_dtype``/``buffer_dtype`` raise: DDP
+      keeps one fp32 copy of the model per rank, and casting it is autocast's job).
+    * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
       ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list`` - raise ``NotImplementedError``
       saying why.
     """
@@ -498,7 +511,7 @@ class DistributedDataParallel(BucketedDataParallel):
                  skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[int] | None = None,
                  batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None):
         _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce,
                             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
                             bucket_cap_mb_list=bucket_cap_mb_list)
         if check_reduction:
@@ -510,6 +523,7 @@ class DistributedDataParallel(BucketedDataParallel):
         self._init_sync = init_sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._reduce_dtype = _reduce_dtype_of(mixed_precision, gradient_as_bucket_view)
         super().__init__(module, process_group, bucket_cap_mb)
         self.forward_sync_buffers = forward_sync
         self.device_ids, self.output_device, self.dim = device_ids, output_device, dim
@@ -593,11 +607,25 @@ class DistributedDataParallel(BucketedDataParallel):
 _UNSUPPORTED = {
     "delay_all_reduce_named_params": "delaying chosen parameters' all-reduce to another parameter's hook",
     "param_to_hook_all_reduce": "delaying chosen parameters' all-reduce to another parameter's hook",
-    "mixed_precision": "DDP's private _MixedPrecision (use minifsdp.mixed_precision with autocast instead)",
     "skip_all_reduce_unused_params": "skipping unused parameters' all-reduce (find_unused_parameters=True "
                                      "reduces them)",
     "bucket_cap_mb_list": "a size per bucket (bucket_cap_mb sets one size for all)",
 }
+
+
+def _reduce_dtype_of(mp: Any, gradient_as_bucket_view: bool) -> torch.dtype | None:
+    """DDP's share of a precision policy: the dtype of the gradient all-reduce (one-line errors otherwise)."""
+    if mp is None:
+        return None
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a minifsdp.mixed_precision.MixedPrecision, got {type(mp).__name__}")
+    if mp.param_dtype is not None or mp.buffer_dtype is not None:
+        raise NotImplementedError("DistributedDataParallel's mixed_precision sets only reduce_dtype (the all-reduce's "
+                                  "dtype); compute in 16 bits with torch.autocast (minifsdp.mixed_precision.autocast)")
+    if gradient_as_bucket_view and mp.reduce_dtype is not None:
+        raise ValueError("gradient_as_bucket_view=True makes p.grad the bucket, which would then be "
+                         f"{mp.reduce_dtype}; drop one of the two")
+    return mp.reduce_dtype
 
 
 def _reject_unsupported(**given: Any) -> None:

@@ -217,8 +217,17 @@ def torch_fsdp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch
     groups = hybrid_groups() if strategy == ShardingStrategy.HYBRID_SHARD else None
     wrapped = TorchFSDP(model, process_group=groups, auto_wrap_policy=_torch_wrap_policy(cfg),
                         device_id=dist.device(), sharding_strategy=strategy,
-                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None))
+                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None),
+                        mixed_precision=_torch_mixed_precision(cfg))
     return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+def _torch_mixed_precision(cfg: Any) -> Any:
+    """--precision bf16/fp16 as torch's own MixedPrecision (param, reduce and buffer dtype alike)."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg, "precision", "fp32"))
+    return MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
 
 
 def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -59,6 +59,8 @@ import torch.distributed as tdist
 
 from . import data, dist, models, torch_reference, trace
 from .launch import launch
+from .mixed_precision import (PRECISIONS, GradScaler, MixedPrecision, ShardedGradScaler, check_dtype_supported,
+                              policy_for)
 
 # --------------------------------------------------------------------------
 # Configuration
@@ -89,6 +91,9 @@ class TrainConfig:
     cpu_offload: bool = False
     bucket_cap_mb: float = 25.0
     checkpoint: str = "none"     # activation checkpointing of every Block: none | full | selective
+    # fsdp: MixedPrecision(p, p, p); ddp / zero1 / zero2: autocast compute + gradients reduced in p
+    precision: str = "fp32"       # fp32 | bf16 | fp16 (fp16 also turns the gradient scaler on)
+    autocast: bool = False        # forward + loss under torch.autocast (bf16, or fp16 with --precision fp16)
     # pipeline options (pp, pp+dp): world = pp x dp ranks
     pp: int = 2
     dp: int = 1
@@ -136,7 +141,7 @@ def _ddp_naive(model: torch.nn.Module, cfg: TrainConfig):
 def _ddp(model: torch.nn.Module, cfg: TrainConfig):
     from .ddp import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, mixed_precision=_reduce_policy(cfg))
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
@@ -148,7 +153,7 @@ def _zero1(model: torch.nn.Module, cfg: TrainConfig):
     from .ddp import DistributedDataParallel
     from .zero import OSS
 
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, mixed_precision=_reduce_policy(cfg))
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     return wrapped, OSS(trainable, optim=torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -157,7 +162,13 @@ def _zero1(model: torch.nn.Module, cfg: TrainConfig):
 def _zero2(model: torch.nn.Module, cfg: TrainConfig):
     from .zero import wrap_zero
 
-    return wrap_zero(model, stage=2, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return wrap_zero(model, stage=2, mixed_precision=_reduce_policy(cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _reduce_policy(cfg: TrainConfig) -> Any:
+    """DDP and ZeRO keep whole fp32 parameters: their share of --precision is the gradient dtype."""
+    mp = policy_for(cfg.precision)
+    return None if mp is None else MixedPrecision(reduce_dtype=mp.reduce_dtype)
 
 
 @strategy("fsdp")
@@ -176,7 +187,8 @@ def _fsdp(model: torch.nn.Module, cfg: TrainConfig):
     wrapped = FSDP(model, process_group=groups, auto_wrap_policy=policy,
                    sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
                    backward_prefetch=BackwardPrefetch[cfg.prefetch] if cfg.prefetch != "NONE" else None,
-                   cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None)
+                   cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
+                   mixed_precision=policy_for(cfg.precision))
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
@@ -265,6 +277,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "torch-pp", "tp", "fsdp+tp"):
         raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
                          "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if (cfg.precision != "fp32" or cfg.autocast) and cfg.strategy not in PRECISION_STRATEGIES:
+        raise ValueError(f"--precision/--autocast are not wired into --strategy {cfg.strategy} yet; use them "
+                         f"with {', '.join(PRECISION_STRATEGIES)}")
     if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
         _validate_pipeline(cfg)
     if cfg.strategy in ("tp", "fsdp+tp", "torch-tp"):
@@ -356,6 +373,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         data_rank = getattr(model, "data_parallel_rank", rank)
         data_world = getattr(model, "data_parallel_size", world)
         loss_fn = getattr(model, "lm_loss", models.lm_loss)  # tensor parallel: vocab-parallel cross-entropy
+        scaler = _grad_scaler(cfg, device)   # fp16 only; a pass-through otherwise
         for step in range(cfg.steps):
             start = time.perf_counter()
             with trace.span("step", step=step):
@@ -370,13 +388,16 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                         loss = model.train_step(x, y) / cfg.grad_accum
                     else:
                         with sync:
-                            with trace.span("forward", step=step, micro=m):
-                                loss = loss_fn(model(x), y) / cfg.grad_accum
+                            with trace.span("forward", step=step, micro=m), _autocast(cfg, device):
+                                logits = model(x)  # 16-bit under a policy or autocast: the loss in fp32
+                                loss = loss_fn(logits.float() if cfg.precision != "fp32" else logits, y)
+                                loss = loss / cfg.grad_accum
                             with trace.span("backward", step=step, micro=m):
-                                loss.backward()
+                                scaler.scale(loss).backward()
                     local += loss.detach()
                 with trace.span("optimizer", step=step):
-                    optimizer.step()
+                    scaler.step(optimizer)
+                    scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
             losses.append(_global_mean(local))
@@ -408,6 +429,33 @@ def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> None:
                                 **(selective if cfg.checkpoint == "selective" else {}))
     ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
                                       check_fn=lambda m: isinstance(m, models.Block))
+
+
+# Strategies that take --precision / --autocast (FSDP: a MixedPrecision policy; the others: autocast
+# for compute, and DDP/ZeRO reduce gradients in the low dtype).
+PRECISION_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "torch-fsdp")
+_POLICY_STRATEGIES = ("fsdp", "torch-fsdp")          # parameters cast by the wrapper: no autocast needed
+_SHARDED_GRADS = ("zero2", "fsdp", "torch-fsdp")     # each rank holds part of the gradients
+
+
+def _autocast(cfg: TrainConfig, device: torch.device) -> Any:
+    """One autocast region per forward (autocast caches 16-bit weight copies until its region ends)."""
+    on = cfg.autocast or (cfg.precision != "fp32" and cfg.strategy not in _POLICY_STRATEGIES)
+    return torch.autocast(device.type, dtype=PRECISIONS["fp16" if cfg.precision == "fp16" else "bf16"],
+                          enabled=on)
+
+
+def _grad_scaler(cfg: TrainConfig, device: torch.device) -> Any:
+    """fp16 needs loss scaling; sharded gradients need the found-inf flag agreed on by every rank.
+    torch's strategies get torch's scalers, so the benchmark compares like with like."""
+    enabled = cfg.precision == "fp16"
+    if cfg.strategy.startswith("torch-"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+        return (TorchSharded(device.type, enabled=enabled) if cfg.strategy in _SHARDED_GRADS
+                else torch.amp.GradScaler(device.type, enabled=enabled))
+    check_dtype_supported(PRECISIONS[cfg.precision], device)
+    cls = ShardedGradScaler if cfg.strategy in _SHARDED_GRADS else GradScaler
+    return cls(device, enabled=enabled)
 
 
 def _memory_tracker(cfg: TrainConfig, device: torch.device) -> Any:
@@ -541,6 +589,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--checkpoint", default="none", choices=["none", "full", "selective"],
                    help="activation checkpointing of every Block (selective keeps the linear layers' outputs)")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="fsdp: MixedPrecision policy; ddp/zero: autocast + gradients reduced in it; fp16 adds "
+                        "the gradient scaler")
+    p.add_argument("--autocast", action="store_true", help="run forward and loss under torch.autocast")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (pp, pp+dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (pp+dp)")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per pipeline step")
@@ -560,7 +612,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                        sharding_strategy=a.sharding_strategy, wrap=a.wrap, prefetch=a.prefetch,
                        cpu_offload=a.cpu_offload, pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
                        schedule=a.schedule, virtual_stages=a.virtual_stages, tp=a.tp,
-                       sequence_parallel=a.sequence_parallel, checkpoint=a.checkpoint)
+                       sequence_parallel=a.sequence_parallel, checkpoint=a.checkpoint, precision=a.precision,
+                       autocast=a.autocast)
 
 
 def main(argv: list[str] | None = None) -> None:

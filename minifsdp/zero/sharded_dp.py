@@ -56,6 +56,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
+from ..mixed_precision.policy import MixedPrecision
 from .oss import OSS, _global_rank
 
 __all__ = ["ShardedDataParallel", "wrap_zero", "reduce"]
@@ -77,7 +78,9 @@ class ShardedDataParallel(nn.Module):
     ``reduce_buffer_size`` > 0 switches ``reduce_fp16`` off (with a warning).
     ``reduce_fp16=True`` (with ``reduce_buffer_size=0``) sends each averaged
     gradient as fp16 (half the bytes) and the owner casts it back.
-    Keyword-only extras: ``shard_gradients`` (False: all-reduce every gradient and keep it,
+    Keyword-only extras: ``mixed_precision`` (a ``minifsdp.mixed_precision.MixedPrecision``:
+    its ``reduce_dtype`` is the dtype gradients travel in, bf16 as well as fp16; compute
+    in 16 bits with ``torch.autocast``), ``shard_gradients`` (False: all-reduce every gradient and keep it,
     i.e. ZeRO-1 with the same wrapper) and ``max_inflight_bytes``: at most
     this many bytes of gradients owned by other ranks wait for their reduce
     at any time (0: reduce each one synchronously), so during backward a
@@ -91,13 +94,15 @@ class ShardedDataParallel(nn.Module):
                  sync_models_at_startup: bool = True, reduce_buffer_size: int = 2**23,
                  auto_refresh_trainable: bool = True, reduce_fp16: bool = False,
                  warn_on_trainable_params_changed: bool = True, *, shard_gradients: bool = True,
-                 max_inflight_bytes: int = 2**22):
+                 max_inflight_bytes: int = 2**22, mixed_precision: MixedPrecision | None = None):
         super().__init__()
         if reduce_fp16 and reduce_buffer_size > 0:  # FairScale does the same (its buckets stay fp32)
             warnings.warn("ShardedDataParallel: fp16 gradient reduction is not compatible with reduction buffers; "
                           "reduce_fp16 is deactivated (pass reduce_buffer_size=0 to reduce in fp16)", stacklevel=2)
             reduce_fp16 = False
         self.reduce_fp16 = reduce_fp16
+        # the dtype gradients are reduced in: FairScale's reduce_fp16, or a policy's reduce_dtype
+        self.reduce_dtype = torch.float16 if reduce_fp16 else _reduce_dtype_of(mixed_precision)
         # FairScale's trainability tracking: accepted, no effect here.
         del auto_refresh_trainable, warn_on_trainable_params_changed
         optimizers = sharded_optimizer if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
@@ -169,8 +174,8 @@ class ShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         p.grad.div_(self.world_size)  # average, not sum
-        if self.reduce_fp16:  # scale first, then round: FairScale's order
-            p.grad.data = p.grad.data.half()
+        if self.reduce_dtype is not None:  # scale first, then round: FairScale's order
+            p.grad.data = p.grad.data.to(self.reduce_dtype)
         if self.shard_gradients:
             handle = reduce(p.grad, _global_rank(self.group, self._owner[p]), group=self.group, async_op=True)
         else:
@@ -195,7 +200,7 @@ class ShardedDataParallel(nn.Module):
             self._in_flight.pop(0)
             if self.shard_gradients and self._owner[p] != self.rank:
                 p.grad = None  # not ours: the owner has the average now
-            elif self.reduce_fp16:
+            elif self.reduce_dtype is not None:
                 p.grad.data = p.grad.data.to(p.dtype)
 
     def _finish(self) -> None:
@@ -203,8 +208,18 @@ class ShardedDataParallel(nn.Module):
         self._callback_queued = False
 
 
+def _reduce_dtype_of(mp: MixedPrecision | None) -> torch.dtype | None:
+    if mp is None:
+        return None
+    if mp.param_dtype is not None or mp.buffer_dtype is not None:
+        raise NotImplementedError("ShardedDataParallel's mixed_precision sets only reduce_dtype (the dtype "
+                                  "gradients travel in); compute in 16 bits with torch.autocast")
+    return mp.reduce_dtype
+
+
 def wrap_zero(model: nn.Module, stage: int, optim_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-              group: ProcessGroup | None = None, **optim_kwargs: Any) -> tuple[ShardedDataParallel, OSS]:
+              group: ProcessGroup | None = None, mixed_precision: MixedPrecision | None = None,
+              **optim_kwargs: Any) -> tuple[ShardedDataParallel, OSS]:
     """``(model, optimizer)`` for ZeRO ``stage`` 1 or 2; train with the usual loop.
 
     >>> model, opt = wrap_zero(model, stage=2, lr=1e-3, weight_decay=0.1)
@@ -217,5 +232,6 @@ def wrap_zero(model: nn.Module, stage: int, optim_cls: type[torch.optim.Optimize
         raise ValueError(f"wrap_zero supports stage 1 or 2, got {stage!r}; for stage 3 use minifsdp.fsdp")
     trainable = [p for p in model.parameters() if p.requires_grad]  # frozen ones need no state, no broadcast
     optimizer = OSS(trainable, optim=optim_cls, group=group, **optim_kwargs)
-    wrapped = ShardedDataParallel(model, optimizer, process_group=group, shard_gradients=(stage == 2))
+    wrapped = ShardedDataParallel(model, optimizer, process_group=group, shard_gradients=(stage == 2),
+                                  mixed_precision=mixed_precision)
     return wrapped, optimizer
