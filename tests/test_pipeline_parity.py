@@ -252,7 +252,7 @@ def test_bad_input_one_line_errors():
 def test_trainer_matches_single(tmp_path, model, runs):
     from minifsdp.train import TrainConfig, train
 
-    base = dict(model=model, steps=2, batch_size=8, track_memory=False, write_plots=False, quiet=True)
+    base = dict(model=model, steps=2, batch_size=8, seq_len=32, track_memory=False, write_plots=False, quiet=True)
     ref = train(TrainConfig(strategy="single", out=str(tmp_path / "single"), **base))["losses"]
     for k, kw in enumerate(runs):
         losses = train(TrainConfig(out=str(tmp_path / str(k)), **kw, **base))["losses"]

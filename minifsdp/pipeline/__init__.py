@@ -16,9 +16,10 @@ by changing the import::
     else:
         schedule.step()
 
-Read in this order: ``schedules.py`` (plans as data, printable before anything
-runs), ``validator.py`` (the checks and the paper timeline: bubble, peak
-activations), ``stage.py`` (one stage: forward, B / I / W backward, messages),
+Read in this order: ``plan.py`` (a plan as data and on paper: messages,
+timeline, bubble, peak activations), ``schedules.py`` (the plans of GPipe,
+1F1B, interleaved and zero bubble, printable before anything runs),
+``validator.py`` (what makes a plan runnable), ``stage.py`` (one stage: forward, B / I / W backward, messages),
 ``executor.py`` (the loop that runs any plan; torch's schedule classes),
 ``partition.py`` (cutting a GPT by balance or parameter count) and
 ``parallel.py`` (pipeline x data parallel, for the trainer).
@@ -28,9 +29,10 @@ from .executor import (PipelineSchedule, Schedule1F1B, ScheduleFromPlan, Schedul
                        ScheduleInterleavedZeroBubble, measured_bubble, measured_spans, split_microbatches)
 from .parallel import SCHEDULE_CLASSES, PipelineParallel, pipeline_groups
 from .partition import GPTStage, balance_by_params, gpt_layers, split_gpt
-from .schedules import SCHEDULES, Action, Plan, gpipe, interleaved_1f1b, lower, make_plan, one_f_one_b, zero_bubble
+from .plan import Action, Plan, ScheduleError, Timeline, lower, simulate
+from .schedules import SCHEDULES, gpipe, interleaved_1f1b, make_plan, one_f_one_b, zero_bubble
 from .stage import CHECKPOINT_MODES, PipelineStage
-from .validator import ScheduleError, Timeline, simulate, validate
+from .validator import validate
 
 __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleInterleavedZeroBubble", "ScheduleFromPlan", "PipelineSchedule", "split_microbatches",

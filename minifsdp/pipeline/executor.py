@@ -39,7 +39,8 @@ from typing import Any, Callable
 import torch
 
 from .. import comm, trace
-from .schedules import Action, Plan, make_plan
+from .plan import Action, Plan
+from .schedules import make_plan
 from .stage import PipelineStage
 from .validator import validate
 

@@ -1,15 +1,10 @@
-"""Pipeline schedules as plain data: who runs which micro-batch when, before anything runs.
+"""The plans of GPipe, 1F1B, interleaved 1F1B and zero bubble: who runs which micro-batch when.
 
-Read this file first in ``minifsdp.pipeline``; ``validator.py`` checks a plan,
-``stage.py`` and ``executor.py`` run one. A *plan* is, for every rank, an
-ordered list of actions, in the notation of ``torch.distributed.pipelining``
-(its ``_Action``: stage index, kind, micro-batch): ``"1F3"`` is stage 1's
-forward of micro-batch 3; ``B`` a full backward; zero-bubble splits it into
-``I`` (gradient of the stage's *input*, which the previous stage is waiting
-for) and ``W`` (gradient of the *weights*, which nobody waits for);
-``SEND_F``/``RECV_F`` move an activation to the next stage, ``SEND_B``/``RECV_B``
-a gradient to the previous one. Stage ``s`` lives on rank ``s % p`` (torch's
-loop layout: with ``v`` virtual stages per rank, rank ``r`` holds ``r, r+p, ...``).
+Each function returns a ``Plan`` (``plan.py``): per rank, the ordered compute
+actions (``"1F3"``: stage 1's forward of micro-batch 3; ``B`` a backward;
+``I``/``W`` its input and weight halves), before anything runs. Stage ``s``
+lives on rank ``s % p``; with ``v`` stages per rank, rank ``r`` holds
+``r, r+p, ...`` (torch's loop layout).
 
 The four schedules, p = 4 ranks, m = 4 micro-batches (``plan.table()``; time in
 units where a forward takes 1 and a backward 2; a blank cell is the bubble)::
@@ -51,106 +46,10 @@ every plan to these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from .plan import Action, Plan
 
-__all__ = ["Action", "Plan", "SCHEDULES", "make_plan", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zero_bubble", "lower", "COMPUTE", "COMM", "DURATION"]
+__all__ = ["SCHEDULES", "make_plan", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble"]
 
-COMPUTE = ("F", "B", "I", "W")
-COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-# Cost of each action in time units (a forward = 1). A backward costs about two
-# forwards (two matmuls per weight instead of one); zero-bubble's I and W one each.
-DURATION = {"F": 1, "B": 2, "I": 1, "W": 1, "SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
-
-
-class Action(NamedTuple):
-    """One step of one rank: ``Action(stage, kind, mb)``, printed ``"1F3"`` as torch does."""
-
-    stage: int
-    kind: str
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
-
-    __repr__ = __str__
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        """``Action.parse("1RECV_F3") == Action(1, "RECV_F", 3)``."""
-        i = 0
-        while i < len(text) and text[i].isdigit():
-            i += 1
-        j = len(text)
-        while j > i and text[j - 1].isdigit():
-            j -= 1
-        kind = text[i:j]
-        if i == 0 or j == len(text) or kind not in COMPUTE + COMM:
-            raise ValueError(f"cannot read action {text!r}: write stage, kind, micro-batch, e.g. '1F3' or '0SEND_F2'")
-        return cls(int(text[:i]), kind, int(text[j:]))
-
-
-@dataclass
-class Plan:
-    """A schedule as data: ``order[rank]`` is that rank's list of actions, in order.
-
-    >>> plan = gpipe(2, 2)
-    >>> plan.order
-    {0: [0F0, 0F1, 0B0, 0B1], 1: [1F0, 1F1, 1B0, 1B1]}
-    >>> plan.bubble()                      # (p-1)/(m+p-1) = 1/3
-    0.3333333333333333
-    """
-
-    name: str
-    p: int                      # ranks (pipeline group size)
-    m: int                      # micro-batches
-    v: int = 1                  # stages per rank
-    order: dict[int, list[Action]] = field(default_factory=dict)
-
-    @property
-    def num_stages(self) -> int:
-        return self.p * self.v
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.p
-
-    def stages_of(self, rank: int) -> list[int]:
-        return [rank + k * self.p for k in range(self.v)]
-
-    def has_comms(self) -> bool:
-        return any(a.kind in COMM for acts in self.order.values() for a in acts)
-
-    def with_comms(self) -> "Plan":
-        """The plan with the sends and receives the executor runs (see ``lower``)."""
-        return self if self.has_comms() else lower(self)
-
-    def compute_only(self) -> "Plan":
-        return Plan(self.name, self.p, self.m, self.v,
-                    {r: [a for a in acts if a.kind in COMPUTE] for r, acts in self.order.items()})
-
-    # Derived from the simulated timeline (validator.py): the tests and the lab use these.
-    def bubble(self) -> float:
-        """Idle fraction of rank-time on the plan's own timeline (F=1, B=2, I=W=1)."""
-        from .validator import simulate
-        return simulate(self).bubble
-
-    def peak_activations(self) -> dict[int, float]:
-        """Per rank: most micro-batches whose activations are held at once, in whole-rank units."""
-        from .validator import simulate
-        return simulate(self).peak_activations
-
-    def table(self, width: int | None = None) -> str:
-        """torchgpipe-style ASCII table: one row per rank, one column per time unit."""
-        from .validator import simulate
-        return simulate(self).table(width)
-
-    def __str__(self) -> str:
-        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in sorted(self.order.items()))
-
-
-# --------------------------------------------------------------------------
-# The schedules (compute actions only; ``lower`` adds the messages)
 # --------------------------------------------------------------------------
 def _check(p: int, m: int, v: int = 1) -> None:
     if p < 1 or m < 1 or v < 1:
@@ -314,35 +213,3 @@ def make_plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
             raise ValueError(f"{schedule} runs one stage per rank; use 'interleaved' or 'zero-bubble' for v={v}")
         return SCHEDULES[schedule](p, m)
     return SCHEDULES[schedule](p, m, v)
-
-
-# --------------------------------------------------------------------------
-# Lowering: add the messages between ranks
-# --------------------------------------------------------------------------
-def lower(plan: Plan) -> Plan:
-    """Insert the point-to-point messages around each compute action.
-
-    A receive goes right before the action that needs it, a send right after
-    the action that produced it (the executor sends asynchronously, so only a
-    receive can wait). Neighbouring stages on the same rank hand over in memory.
-
-    >>> print(lower(gpipe(2, 1)))
-    rank 0: 0F0 0SEND_F0 0RECV_B0 0B0
-    rank 1: 1RECV_F0 1F0 1B0 1SEND_B0
-    """
-    last = plan.num_stages - 1
-    order = {}
-    for r, acts in plan.order.items():
-        out: list[Action] = []
-        for a in acts:
-            s, i = a.stage, a.mb
-            remote_prev = s > 0 and plan.rank_of(s - 1) != r
-            remote_next = s < last and plan.rank_of(s + 1) != r
-            if a.kind == "F":
-                out += [Action(s, "RECV_F", i)] * remote_prev + [a] + [Action(s, "SEND_F", i)] * remote_next
-            elif a.kind in ("B", "I"):
-                out += [Action(s, "RECV_B", i)] * remote_next + [a] + [Action(s, "SEND_B", i)] * remote_prev
-            else:
-                out.append(a)
-        order[r] = out
-    return Plan(plan.name, plan.p, plan.m, plan.v, order)
