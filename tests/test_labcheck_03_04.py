@@ -79,13 +79,17 @@ def blank03() -> dict:
 
 
 def zero1_args(ns: dict) -> tuple:
-    return ns["greedy_partition"], ns["local_optimizer"], ns["zero1_step"]
+    return ns["greedy_partition"], ns["local_optimizer"], ns["zero1_step"], ns["consolidate_state"]
+
+
+def zero2_args(ns: dict) -> tuple:
+    return ns["greedy_partition"], ns["local_optimizer"], ns["zero1_step"], ns["install_zero2"]
 
 
 def test_lab03_checks_pass_on_the_solution(sol03, capsys):
     lab03.greedy_partition(sol03["greedy_partition"])
     lab03.zero1(*zero1_args(sol03), world_sizes=(2,))
-    lab03.zero2(*zero1_args(sol03), sol03["install_zero2"], world_sizes=(2,))
+    lab03.zero2(*zero2_args(sol03), world_sizes=(2,))
     out = capsys.readouterr().out
     assert out.count("✅") == 3, out
 
@@ -94,7 +98,7 @@ def test_lab03_checks_fail_on_the_blank_lab(blank03):
     fails(lambda: lab03.greedy_partition(blank03["greedy_partition"]), "not written yet", "NotImplementedError",
           "least load|smallest load")
     fails(lambda: lab03.zero1(*zero1_args(blank03)), "not written yet")
-    fails(lambda: lab03.zero2(*zero1_args(blank03), blank03["install_zero2"]), "not written yet")
+    fails(lambda: lab03.zero2(*zero2_args(blank03)), "not written yet")
     fails(lambda: lab03.predict_model_states(blank03["predict_model_states"], {}, 1), "not written yet")
 
 
@@ -112,17 +116,24 @@ def test_lab03_zero1_mistakes():
     fails(lambda: lab03.zero1(*zero1_args(from_rank0), world_sizes=(2,)), "differs from one process", "owner")
 
 
+def test_lab03_consolidate_mistakes():
+    from_rank0 = lab03_fns(edits={"comm.broadcast(t, src=owner)": "comm.broadcast(t, src=0)"})
+    fails(lambda: lab03.zero1(*zero1_args(from_rank0), world_sizes=(2,)), "consolidated", "owner")
+    everywhere = lab03_fns(edits={"return state if dist.rank() == 0 else None": "return state"})
+    fails(lambda: lab03.zero1(*zero1_args(everywhere), world_sizes=(2,)), "other than 0")
+
+
 def test_lab03_zero2_mistakes(sol03):
     keeps = lab03_fns(edits={"            p.grad = None            # not ours": "            pass  # not ours"})
-    fails(lambda: lab03.zero2(*zero1_args(keeps), keeps["install_zero2"], world_sizes=(2,)),
+    fails(lambda: lab03.zero2(*zero2_args(keeps), world_sizes=(2,)),
           "still holds every gradient", r"p\.grad = None")
     no_average = lab03_fns(edits={"        p.grad.div_(n)\n": ""})
-    fails(lambda: lab03.zero2(*zero1_args(no_average), no_average["install_zero2"], world_sizes=(2,)),
+    fails(lambda: lab03.zero2(*zero2_args(no_average), world_sizes=(2,)),
           "divide by N")
     library = lab03_fns(edits={"    rank, n = dist.rank(), dist.world_size()\n":
                                "    from minifsdp.zero import wrap_zero\n    rank, n = dist.rank(), dist.world_size()\n"
                                "    wrap_zero\n"})
-    fails(lambda: lab03.zero2(*zero1_args(library), library["install_zero2"], world_sizes=(2,)),
+    fails(lambda: lab03.zero2(*zero2_args(library), world_sizes=(2,)),
           "sees the library", "wrap_zero")
 
 
@@ -191,6 +202,8 @@ def test_lab04_forward_mistakes():
     fails(lambda: lab04.fsdp_forward(*forward_args(never_freed), world_sizes=(2,)), "still hold", "frees")
     unfilled = lab04_fns(edits={"    comm.all_gather_into_tensor(unit.full.data, unit.shard.detach())\n": ""})
     fails(lambda: lab04.fsdp_forward(*forward_args(unfilled), world_sizes=(2,)), "logits differ")
+    no_root = lab04_fns(edits={'candidates[::-1] + [("root", model)]': "candidates[::-1]"})
+    fails(lambda: lab04.fsdp_forward(*forward_args(no_root), world_sizes=(2,)), "expected", "root")
 
 
 def test_lab04_backward_mistakes():

@@ -200,7 +200,9 @@ def single_process(model_name: str = MODEL, steps: int = STEPS, batch: int = BAT
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    moments = [{k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")} for p in model.parameters()]
     return {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()}, "grads0": grads0,
+            "moments": moments,
             "state_bytes": sum(t.nbytes for s in opt.state.values() for t in s.values()),
             "n_params": models.count_parameters(model), "n_tensors": len(list(model.parameters()))}
 
@@ -230,7 +232,8 @@ def zero_worker(mode: str, fns: dict[str, Callable] | None, model_name: str = MO
     model = models.build_model(model_name).to(device)   # same seed on every rank: the same start
     params = list(model.parameters())
     # samples at every 1 % change of the total: the gradients' rise and fall is visible on small models too
-    tracker, tracer = MemoryTracker(sample_change=0.01), trace.Tracer(rank=rank)
+    tracker = MemoryTracker(sample_change=0.01 if model_name == MODEL else 0.05)
+    tracer = trace.Tracer(rank=rank)
     tracker.track_model(model)
     step_fn: Callable[[], None]
     if mode in ("zero1", "zero2"):
@@ -253,6 +256,8 @@ def zero_worker(mode: str, fns: dict[str, Callable] | None, model_name: str = MO
         owners = [optimizer.param_to_rank[p] for p in params]
         step_fn, owned = optimizer.step, optimizer.local_params
     losses: list[float] = []
+    grads0: dict[str, Any] = {}
+
     def books(label: str) -> dict[str, int]:
         if track:
             return _settled(tracker, label)
@@ -273,9 +278,9 @@ def zero_worker(mode: str, fns: dict[str, Callable] | None, model_name: str = MO
                         comm.all_reduce(p.grad)
                 after_backward = books("backward")
                 held = [p.grad is not None for p in params]
-                if step == 0:   # the gradients this rank holds after the first backward
-                    grads0 = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
-                              if p.grad is not None}
+                if step == 0 and mode in ("zero1", "zero2"):   # the gradients held after the first backward,
+                    grads0 = {k: p.grad.tolist() for k, p in model.named_parameters()   # as lists: no tensor
+                              if p.grad is not None}                                     # that the tracker counts
                 step_fn()
                 after_step = books("step")
             model.zero_grad(set_to_none=True)
@@ -284,8 +289,15 @@ def zero_worker(mode: str, fns: dict[str, Callable] | None, model_name: str = MO
                 torch.distributed.all_reduce(total)            # bookkeeping, outside the "step" span
             losses.append(total.item() / n)
     tracker.close()
+    consolidated = None
+    if mode == "zero1" and "consolidate_state" in fns:
+        got = fns["consolidate_state"](params, owners, optimizer)
+        consolidated = None if got is None else [
+            {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in dict(m).items()}
+            if isinstance(m, dict) else m for m in got]
     last = [s for s in tracer.trace.spans if s.name == "step" and s.args.get("step") == steps - 1][0]
     return {"mode": mode, "owners": owners, "losses": losses, "held": held, "grads0": grads0,
+            "consolidated": consolidated,
             "parameters": after_backward[PARAMETERS], "gradients": after_backward[GRADIENTS],
             "optimizer": after_step[OPTIMIZER],
             "peak": tracker.peak_total,
@@ -325,6 +337,28 @@ def _world_sizes(*wanted: int) -> tuple[int, ...]:
     return tuple(sorted({dist.lab_world_size(w) for w in wanted}))
 
 
+def _check_consolidated(what: str, n: int, res: list[dict], ref: dict) -> None:
+    """Rank 0's consolidated AdamW moments equal one process's; the other ranks return None."""
+    got = res[0]["consolidated"]
+    if not isinstance(got, list) or len(got) != len(ref["moments"]):
+        failed(what, f"{n} ranks: consolidate_state returned {type(got).__name__} on rank 0; return a list with "
+                     f"one dict per parameter ({len(ref['moments'])})")
+    if any(r["consolidated"] is not None for r in res[1:]):
+        failed(what, f"{n} ranks: consolidate_state returned something on a rank other than 0: only rank 0 keeps "
+                     "the checkpoint (return None elsewhere)")
+    names = [k for k, _ in models.build_model(MODEL, device="meta").named_parameters()]
+    for i, (mine, want) in enumerate(zip(got, ref["moments"])):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not isinstance(mine, dict) or key not in mine or not torch.is_tensor(mine[key]):
+                failed(what, f"{n} ranks: consolidated entry {i} ({names[i]}) has no tensor {key!r}: each entry "
+                             "holds both AdamW moments")
+            if mine[key].shape != want[key].shape or not torch.allclose(mine[key], want[key], atol=1e-6,
+                                                                          rtol=PARAM_TOL):
+                owner = res[0]["owners"][i]
+                failed(what, f"{n} ranks: the consolidated {key} of {names[i]} (owned by rank {owner}) is not one "
+                             "process's: it must come from the parameter's owner, the only rank that stepped it")
+
+
 def _fns(**fns: Callable) -> dict[str, Callable]:
     return fns
 
@@ -338,11 +372,12 @@ def _library() -> dict[str, Any]:
 
 
 def zero1(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Callable,
-          world_sizes: tuple[int, ...] | None = None) -> None:
-    """ZeRO-1 with the learner's three functions at 1, 2 and 4 ranks, against one process and OSS."""
+          consolidate_state: Callable, world_sizes: tuple[int, ...] | None = None) -> None:
+    """ZeRO-1 with the learner's four functions at 1, 2 and 4 ranks, against one process and OSS."""
     what = "ZeRO-1"
     world_sizes = world_sizes or _world_sizes(1, 2, 4)
-    fns = _fns(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step)
+    fns = _fns(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step,
+               consolidate_state=consolidate_state)
     blank(what, **fns)
     refuse_library(what, fns, _library())
     ref = single_process()
@@ -367,6 +402,7 @@ def zero1(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
         worst = max(worst, _compare_with_single(
             what, n, res, ref, "the broadcast must come from each parameter's owner (who stepped it), "
                                    "after optimizer.step()"))
+        _check_consolidated(what, n, res, ref)
         if n > 1 and res[0]["bytes"].get("broadcast", 0) != psi_bytes:
             failed(what, f"{n} ranks: the broadcasts moved {res[0]['bytes'].get('broadcast', 0):,} B per "
                          f"step, the parameters are {psi_bytes:,} B: broadcast each parameter exactly once per step")
@@ -375,7 +411,8 @@ def zero1(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
     mine, theirs = max(r["optimizer"] for r in runs[n]), max(r["optimizer"] for r in lib)
     target = estimate.model_state_bytes_per_device(ref["n_params"], n, 1, padding=False)["optimizer"]
     results[what] = {"learner": runs, "library": lib}
-    passed(what, f"one process's parameters (max |diff| {worst:.1e} <= {PARAM_TOL:g}) at "
+    passed(what, f"one process's parameters (max |diff| {worst:.1e} <= {PARAM_TOL:g}) and, consolidated on "
+                 f"rank 0, its AdamW moments at "
                  f"{', '.join(map(str, world_sizes))} ranks; largest optimizer state at {n} ranks: yours "
                  f"{mine:,} B, target 8Ψ/N = {target:,.0f} B (+ whole parameters, + 4 B steps), "
                  f"minifsdp.zero.OSS {theirs:,} B")
@@ -413,7 +450,7 @@ def zero2(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
                 failed(what, f"{n} ranks, rank {r}: {one['gradients']:,} B of gradients after backward, the owned "
                              f"parameters' are {want:,} B")
             for k, g in one["grads0"].items():
-                want = ref["grads0"][k]
+                want, g = ref["grads0"][k], torch.tensor(g)
                 if not torch.allclose(g, want, atol=LOSS_TOL, rtol=PARAM_TOL):
                     hint = (f"it is {n} x the average: the reduce SUMS the ranks' gradients; divide by N first"
                             if torch.allclose(g, n * want, atol=n * LOSS_TOL, rtol=PARAM_TOL) else

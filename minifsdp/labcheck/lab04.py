@@ -214,11 +214,24 @@ def library_memory_worker(modes: tuple[str, ...]) -> dict:
     return {m: fsdp_worker(m, None, MEM_MODEL, 2, MEM_BATCH, MEM_SEQ, False, True) for m in modes}
 
 
-def _run_units(what: str, n: int, res: list[dict]) -> None:
-    """Every rank made the same units, each with an equal padded shard."""
+def _expected_units(model_name: str) -> dict[str, int]:
+    """Parameters per unit when every Block is a unit and the root holds the rest."""
+    model = models.build_model(model_name, device="meta")
+    units = {name: models.count_parameters(m) for name, m in model.named_modules() if isinstance(m, models.Block)}
+    return {**units, "root": models.count_parameters(model) - sum(units.values())}
+
+
+def _run_units(what: str, n: int, res: list[dict], model_name: str = MODEL) -> None:
+    """Every rank made the same units -- each Block, the root with the rest -- each with an equal padded shard."""
     units = res[0]["units"]
     if any(r["units"] != units for r in res):
         failed(what, f"{n} ranks: the ranks made different units")
+    got, want = {name: numel for name, numel, _, _ in units}, _expected_units(model_name)
+    if got != want:
+        failed(what, f"units {got} (name: parameters), expected {want}: every Block is a unit and the root "
+                     "(named 'root') holds every parameter no Block holds; each parameter in exactly one unit")
+    if units[-1][0] != "root":
+        failed(what, "the root must be the last unit (it takes what the others left)")
     for name, numel, padded, shard in units:
         if shard * n != padded or padded < numel or padded - numel >= n:
             failed(what, f"{n} ranks: unit {name} has {numel} parameters, {padded} padded, shards of {shard}: "
@@ -231,7 +244,8 @@ def fsdp_forward(shard_model: Callable, gather: Callable, pre_forward: Callable,
     what = "FSDP forward"
     fns = dict(shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
                install_hooks=install_hooks)
-    blank(what, gather=gather, pre_forward=pre_forward, post_forward=post_forward, install_hooks=install_hooks)
+    blank(what, shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
+          install_hooks=install_hooks)
     refuse_library(what, fns, _library())
     ref = _single(steps=0)
     n_params = models.count_parameters(models.build_model(MODEL, device="meta"))

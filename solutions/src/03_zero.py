@@ -29,7 +29,7 @@
 # runs fewer ranks, see `dist.lab_world_size`).
 #
 # **Exercises** (your code between the markers, each followed by a one-call check):
-# 1. the greedy partition · 2. ZeRO-1: a sharded optimizer and its step ·
+# 1. the greedy partition · 2. ZeRO-1: a sharded optimizer, its step, its checkpoint ·
 # 3. ZeRO-2: the reduce-to-owner gradient hook · 4. each rank's bytes, exactly.
 #
 # Symbols (as in every lab): `Ψ` = number of parameters; `N` = world size; bytes are
@@ -251,10 +251,17 @@ check.greedy_partition(greedy_partition)
 #   local shard, then make every rank's copy of every parameter equal to its
 #   owner's with `comm.broadcast(tensor, src)` (every rank calls it for every
 #   parameter, in the same order: a collective is a meeting).
+# * `consolidate_state(params, owners, optimizer)`: a checkpoint needs the whole
+#   optimizer state in one place, yet no rank holds it. Return, on rank 0, one dict
+#   per parameter (in order) with its `"exp_avg"` and `"exp_avg_sq"` (AdamW's
+#   `optimizer.state[p]` on the owner), brought from each owner; other ranks return
+#   `None`. (FairScale's `OSS.consolidate_state_dict` does this before
+#   `torch.save`.)
 #
 # Target: the same parameters as one process on the whole batch (within `1e-4`;
 # the ranks add the gradient average in another order), each rank's AdamW state
-# exactly the bytes of what it owns, and `Ψ·4` bytes broadcast per step.
+# exactly the bytes of what it owns, `Ψ·4` bytes broadcast per step, and the
+# consolidated moments equal to one process's AdamW state.
 
 # %%
 def local_optimizer(params: list[torch.Tensor], owners: list[int], rank: int,
@@ -276,9 +283,27 @@ def zero1_step(params: list[torch.Tensor], owners: list[int], optimizer: torch.o
         comm.broadcast(p.data, src=owner)
     # END SOLUTION
 
+
+def consolidate_state(params: list[torch.Tensor], owners: list[int],
+                      optimizer: torch.optim.Optimizer) -> list[dict] | None:
+    """On rank 0: [{"exp_avg": ..., "exp_avg_sq": ...} for each parameter], from the owners; None elsewhere."""
+    # BEGIN SOLUTION
+    # HINT: every rank takes part for every parameter, in order; the owner contributes its optimizer.state entry, the others a buffer of the parameter's shape on the same device; one collective per moment from the owner; rank 0 keeps a copy.
+    state = []
+    for p, owner in zip(params, owners):
+        mine = optimizer.state[p] if dist.rank() == owner else {}
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = mine[key].clone() if key in mine else torch.empty_like(p)
+            comm.broadcast(t, src=owner)
+            moments[key] = t
+        state.append(moments)
+    return state if dist.rank() == 0 else None
+    # END SOLUTION
+
 # %%
 # CHECK: ZeRO-1 with your functions at 1, 2 and 4 ranks against one process and minifsdp.zero.OSS
-check.zero1(greedy_partition, local_optimizer, zero1_step)
+check.zero1(greedy_partition, local_optimizer, zero1_step, consolidate_state)
 
 # %% [markdown]
 # Each rank's share of the AdamW state (the check kept its runs in `check.results`):

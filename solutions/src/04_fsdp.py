@@ -32,8 +32,8 @@
 # fewer ranks, see `dist.lab_world_size`).
 #
 # **Exercises** (your code between the markers, each followed by a one-call check):
-# 1. the flat, padded shard · 2. forward: gather before, free after (and the hooks
-# that say when) · 3. backward: gather again, reduce-scatter, free.
+# 1. the flat, padded shard · 2. forward: the units, gather before, free
+# after (and the hooks that say when) · 3. backward: gather again, reduce-scatter, free.
 #
 # Symbols (as in every lab): `Ψ` = number of parameters; `N` = world size; bytes are
 # written `4Ψ` (fp32 parameters), `12Ψ`, ...
@@ -116,7 +116,7 @@ def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tenso
 check.shard_flat(shard_flat)
 
 # %% [markdown]
-# ### The scaffolding: a unit, and a model cut into units
+# ### The scaffolding: a unit
 #
 # `Unit` holds one unit's state on one rank: its `shard` (an `nn.Parameter`, made by
 # your `shard_flat`; the optimizer sees only shards), the `slots` where its
@@ -133,8 +133,8 @@ check.shard_flat(shard_flat)
 # weights again. (Write into it through `unit.full.data`, so autograd does not
 # mistake the refill for an in-place change of what it saved.)
 #
-# `shard_model(model, unit_types)` cuts the model into units, innermost first and the
-# root last, and calls your `install_hooks` on each.
+# `Unit(name, module, params)` takes the unit's parameters as `(module, attribute
+# name, parameter)` triples: the module that holds each one and its name there.
 
 # %%
 class Unit:
@@ -167,19 +167,6 @@ class Unit:
         self.full.untyped_storage().resize_(0)
 
 
-def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
-    """Each submodule of `unit_types` becomes a unit (innermost first), the root takes the rest."""
-    subunits = [(name, m) for name, m in model.named_modules() if name and isinstance(m, tuple(unit_types))]
-    taken, units = set(), []
-    for name, m in subunits[::-1] + [("root", model)]:
-        params = [(owner, attr, p) for owner in m.modules() for attr, p in owner.named_parameters(recurse=False)
-                  if id(p) not in taken]
-        taken.update(id(p) for _, _, p in params)
-        unit = Unit(name, m, params)
-        install_hooks(unit)
-        units.append(unit)
-    return units
-
 # %% [markdown]
 # ### Exercise 2: forward — gather before, free after
 #
@@ -194,6 +181,11 @@ def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
 #
 # Write:
 #
+# * `shard_model(model, unit_types)`: cut the model into units — this is what a wrap
+#   policy decides. Every submodule of one of `unit_types` (here each `Block`) is a
+#   unit, taken innermost first, and the root (`model`, named `"root"`) takes every
+#   parameter no unit took; a parameter belongs to exactly one unit. Make each
+#   `Unit`, install its hooks, return the list (root last).
 # * `gather(unit)`: if the unit is not gathered yet, allocate `full` and fill it with
 #   every rank's shard, `comm.all_gather_into_tensor(output, input)` (rank `r`'s shard
 #   lands at position `r`).
@@ -213,6 +205,23 @@ def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
 # (plus padding) all-gathered, once.
 
 # %%
+def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
+    """Each submodule of `unit_types` becomes a unit (innermost first), the root takes the rest."""
+    # BEGIN SOLUTION
+    # HINT: model.named_modules() lists every submodule with its name (the root has the empty name); visit the candidates in reverse so inner ones come first; a unit's parameters are those of its modules (named_parameters without recursing, module by module) that no earlier unit took; remember what was taken by identity.
+    candidates = [(name, m) for name, m in model.named_modules() if name and isinstance(m, tuple(unit_types))]
+    taken, units = set(), []
+    for name, m in candidates[::-1] + [("root", model)]:
+        params = [(owner, attr, p) for owner in m.modules() for attr, p in owner.named_parameters(recurse=False)
+                  if id(p) not in taken]
+        taken.update(id(p) for _, _, p in params)
+        unit = Unit(name, m, params)
+        install_hooks(unit)
+        units.append(unit)
+    return units
+    # END SOLUTION
+
+
 def gather(unit: Unit) -> None:
     """Allocate `unit.full` and all-gather every rank's shard into it (nothing if already gathered)."""
     # BEGIN SOLUTION
@@ -407,7 +416,8 @@ def run_trainer(strategy: str = "fsdp", world_size: int = WORLD, **options) -> d
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # matplotlib layout notes from the saved plots
         cfg = TrainConfig(strategy=strategy, world_size=world_size, model=GPT_MODEL, steps=STEPS,
-                          batch_size=BATCH, seq_len=SEQ, out=out, quiet=True, timeout=120, **options)
+                          batch_size=BATCH, seq_len=SEQ, out=out, quiet=True, timeout=120, write_plots=False,
+                          **options)
         return train(cfg)
 
 
