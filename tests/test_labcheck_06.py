@@ -29,13 +29,15 @@ SAVE_ALL_MATMULS = (("return op in (torch.ops.aten.mm.default, torch.ops.aten.ad
 NEVER_REUSE = (("        if func in self.kept:\n            k = self.calls.get(func, 0)",
                 "        if False:\n            k = self.calls.get(func, 0)"),)
 REUSE_LAST_FIRST = (("return self.kept[func][k].detach()", "return self.kept[func][-1 - k].detach()"),)
+MOST_BLOCKS = (("    for k in range(config.n_layer + 1):\n        if predict_activations",
+                "    for k in reversed(range(config.n_layer + 1)):\n        if predict_activations"),)
 FORGET_INPUT = (("return plain[\"total\"] - k * (plain[\"per_layer\"] - kept)", "return plain[\"total\"] - k * plain[\"per_layer\"]"),)
 IGNORE_K = (("return plain[\"total\"] - k * (plain[\"per_layer\"] - kept)", "return plain[\"total\"]"),)
 
 
 def test_mistakes_still_match_the_solution():
     for edits in (NO_RNG, NO_ENABLE_GRAD_REENTRANT, PACK_KEEPS_TENSOR, NO_ENABLE_GRAD_HOOKS, SAVE_NOTHING,
-                  SAVE_ALL_MATMULS, NEVER_REUSE, REUSE_LAST_FIRST, FORGET_INPUT, IGNORE_K):
+                  SAVE_ALL_MATMULS, NEVER_REUSE, REUSE_LAST_FIRST, FORGET_INPUT, IGNORE_K, MOST_BLOCKS):
         edits_apply(L06, edits)
 
 
@@ -44,7 +46,7 @@ def test_solution_passes_every_check(capsys):
     lab06.reentrant(ns["ReentrantCheckpoint"])
     lab06.hooks(ns["checkpoint_with_hooks"])
     lab06.selective(ns["KeepOutputs"], ns["ReuseOutputs"], ns["keep_expensive"])
-    lab06.predicted_activations(ns["predict_activations"])
+    lab06.predicted_activations(ns["predict_activations"], ns["fewest_checkpointed_blocks"])
     out = capsys.readouterr().out
     assert out.count("✅") == 4 and "yours" in out and "target" in out
 
@@ -54,7 +56,8 @@ def test_blank_lab_fails_every_check():
     fails(lab06.reentrant, ns["ReentrantCheckpoint"], words="not written yet")
     fails(lab06.hooks, ns["checkpoint_with_hooks"], words="not written yet")
     fails(lab06.selective, ns["KeepOutputs"], ns["ReuseOutputs"], ns["keep_expensive"], words="not written yet")
-    fails(lab06.predicted_activations, ns["predict_activations"], words="not written yet")
+    fails(lab06.predicted_activations, ns["predict_activations"], ns["fewest_checkpointed_blocks"],
+          words="not written yet")
 
 
 def test_reentrant_mistakes():
@@ -83,8 +86,11 @@ def test_selective_mistakes():
     fails(lab06.selective, *_selective(load(L06, edits=REUSE_LAST_FIRST)), words="k-th call")
 
 
+def _prediction(ns):
+    return ns["predict_activations"], ns["fewest_checkpointed_blocks"]
+
+
 def test_prediction_mistakes():
-    fails(lab06.predicted_activations, load(L06, edits=FORGET_INPUT)["predict_activations"],
-          words="still keeps one tensor")
-    fails(lab06.predicted_activations, load(L06, edits=IGNORE_K)["predict_activations"],
-          words="does not change with k")
+    fails(lab06.predicted_activations, *_prediction(load(L06, edits=FORGET_INPUT)), words="still keeps one tensor")
+    fails(lab06.predicted_activations, *_prediction(load(L06, edits=IGNORE_K)), words="does not change with k")
+    fails(lab06.predicted_activations, *_prediction(load(L06, edits=MOST_BLOCKS)), words="the fewest blocks")

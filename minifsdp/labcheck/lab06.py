@@ -283,21 +283,25 @@ def measured_activations(config_overrides: dict, batch: int, seq: int, k: int) -
     return _step(model, _batch(model.config, batch, seq))[0]
 
 
-def predicted_activations(predict: Callable[[models.GPTConfig, int, int, int], int]) -> None:
-    """``predict(config, batch, seq_len, k)``: activation bytes after forward with k blocks checkpointed."""
+def predicted_activations(predict: Callable[[models.GPTConfig, int, int, int], int],
+                          choose: Callable[[int, models.GPTConfig, int, int], int | None]) -> None:
+    """``predict(config, batch, seq_len, k)``: activation bytes after forward with k blocks checkpointed;
+    ``choose(budget, config, batch, seq_len)``: the fewest checkpointed blocks that fit ``budget``."""
     what = "activations vs checkpointed blocks"
-    require_written(what, predict)
+    require_written(what, predict, choose)
     found = uses(predict, "gpt_checkpoint_activation_bytes", "checkpoint_wrapper", "MemoryTracker")
     if found:
         failed(what, f"it uses {found[0]}: predict from the formula of one block, without measuring or the "
                      "library's answer")
     cases = [({}, B, T), ({"n_layer": 3, "n_embd": 48, "n_head": 4}, 2, 16)]
-    lines, library_off = [], 0
+    lines, library_off, curves = [], 0, []
     for overrides, batch, seq in cases:
         config = dataclasses.replace(models.MODEL_PRESETS["gpt-tiny"], **overrides)
         btd = batch * seq * config.n_embd * FP32
+        measured = []
         for k in range(config.n_layer + 1):
             want = measured_activations(overrides, batch, seq, k)
+            measured.append(want)
             got = call(what, predict, config, batch, seq, k)
             library = estimate.gpt_checkpoint_activation_bytes(config, batch, seq, checkpointed_layers=k)["total"]
             library_off = max(library_off, abs(library - want))
@@ -312,6 +316,16 @@ def predicted_activations(predict: Callable[[models.GPTConfig, int, int, int], i
                              "gives back what it would have saved, except its input")
             failed(what, figures(f"bytes at {shape}", got, want, library, unit="B"))
         lines.append(f"L={config.n_layer}: k=0..{config.n_layer} exact")
+        curves.append((config, batch, seq, measured))
+    for config, batch, seq, measured in curves:  # budgets between the measured values, and one below them all
+        for k, need in enumerate(measured):
+            for budget, want in ((need, k), (need - 1, k + 1 if k < config.n_layer else None)):
+                got = call(what, choose, budget, config, batch, seq)
+                if got != want:
+                    failed(what, f"bytes are right, but for a budget of {budget:,} B (L={config.n_layer}, "
+                                 f"d={config.n_embd}) you chose k={got}; the fewest blocks that fit is "
+                                 f"{want} (None: not even all L fit)")
+    lines.append("fewest blocks for every budget right")
     agree = "equal to it" if not library_off else f"within {library_off:,} B of it"
     passed(what, "; ".join(lines) + f" (measured by the memory tracker; the library's estimate is {agree})")
 

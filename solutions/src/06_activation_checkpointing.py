@@ -380,8 +380,10 @@ check.selective(KeepOutputs, ReuseOutputs, keep_expensive)
 # Checkpointing is per block: with k of the L blocks checkpointed you choose a point on
 # the memory–compute line. Predict the activation bytes alive after the forward of a GPT
 # with its **first k blocks** checkpointed (fully), from `estimate.gpt_activation_bytes`
-# (no checkpointing: its `"total"` and its `"per_layer"`) and the shapes. The check
-# measures k = 0 … L on two models of different widths and compares to the byte.
+# (no checkpointing: its `"total"` and its `"per_layer"`) and the shapes. Then use it to
+# choose: the fewest checkpointed blocks whose activations fit a memory budget (each one
+# costs a recompute). The check measures k = 0 … L on two models of different widths and
+# compares to the byte, then hands your chooser budgets that sit between measured values.
 
 # %%
 def predict_activations(config, batch, seq_len, k):
@@ -393,9 +395,20 @@ def predict_activations(config, batch, seq_len, k):
     return plain["total"] - k * (plain["per_layer"] - kept)
     # END SOLUTION
 
+
+def fewest_checkpointed_blocks(budget, config, batch, seq_len):
+    """The smallest k whose activations fit in `budget` bytes (None when even k = L does not fit)."""
+    # BEGIN SOLUTION
+    # HINT: every checkpointed block costs one extra forward of it: take as few as the budget allows.
+    for k in range(config.n_layer + 1):
+        if predict_activations(config, batch, seq_len, k) <= budget:
+            return k
+    return None
+    # END SOLUTION
+
 # %%
-# CHECK: your bytes equal the tracker's measurement for every k on two models
-check.predicted_activations(predict_activations)
+# CHECK: your bytes equal the tracker's measurement for every k on two models; your k fits measured budgets
+check.predicted_activations(predict_activations, fewest_checkpointed_blocks)
 
 # %% [markdown]
 # Now gpt-mini, measured for every k, beside your prediction and the library's formula
