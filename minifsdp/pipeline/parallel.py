@@ -72,11 +72,14 @@ class PipelineParallel(nn.Module):
     (interleaved, zero-bubble) stages per rank; ``checkpoint``: always |
     except_last | never; ``balance``: layers per stage (default: by parameter count);
     ``api``: minifsdp | torch (``torch.distributed.pipelining``'s classes, no checkpoint option).
+    ``pp_group`` / ``dp_group``: groups made elsewhere (a ``DeviceMesh`` with tensor parallel
+    too); by default ``pipeline_groups(pp, dp)`` over the whole world.
     """
 
     def __init__(self, model: models.GPT, pp: int, n_microbatches: int, schedule: str = "1f1b",
                  virtual_stages: int = 1, dp: int = 1, checkpoint: str = "never", balance: list[int] | None = None,
-                 api: str = "minifsdp"):
+                 api: str = "minifsdp", pp_group: tdist.ProcessGroup | None = None,
+                 dp_group: tdist.ProcessGroup | None = None):
         super().__init__()
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULE_CLASSES)}")
@@ -86,12 +89,17 @@ class PipelineParallel(nn.Module):
         v = virtual_stages if schedule in ("interleaved", "zero-bubble") else 1
         if virtual_stages != 1 and v == 1:
             raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved or zero-bubble")
-        self.pp_group, self.dp_group = pipeline_groups(pp, dp)
+        if pp_group is None and dp_group is None:
+            pp_group, dp_group = pipeline_groups(pp, dp)
+        elif dist.world_size(pp_group) != pp or (dist.world_size(dp_group) if dp_group is not None else 1) != dp:
+            raise ValueError(f"pp_group has {dist.world_size(pp_group)} ranks and dp_group {dist.world_size(dp_group)}; "
+                             f"pp={pp} and dp={dp} need groups of those sizes")
+        self.pp_group, self.dp_group = pp_group, dp_group
         self.pp, self.dp, self.n_microbatches = pp, dp, n_microbatches
-        rank = dist.rank()
-        self.data_parallel_rank, self.data_parallel_size = rank // pp, dp
+        self.data_parallel_rank = dist.rank(dp_group) if dp > 1 else 0
+        self.data_parallel_size = dp
         parts = split_gpt(model, pp * v, balance)
-        mine = [s for s in range(pp * v) if s % pp == rank % pp]
+        mine = [s for s in range(pp * v) if s % pp == dist.rank(pp_group)]
         self.stage_modules = nn.ModuleList(parts[s] for s in mine)
         device = dist.device()
         extra = {"checkpoint": checkpoint} if api == "minifsdp" else {}
