@@ -47,17 +47,16 @@ def verdict(check, *args) -> str:
 def test_solution_passes_every_check(capsys):
     ns = notebook()
     lab05.underflow(ns["underflow_fraction"])
-    lab05.unscale(ns["unscale_"])
-    lab05.update(ns["update_scale"])
+    lab05.scaler_rules(ns["unscale_"], ns["update_scale"])
     lab05.rescue(ns["fp16_train_step"], ns["LossScaler"])
     lab05.policy_bytes(ns["policy_bytes"])
     out = capsys.readouterr().out
-    assert out.count("✅") == 5, out
+    assert out.count("✅") == 5, out   # underflow, unscale + update (scaler_rules), rescue, bytes
 
 
 def test_blank_lab_is_not_written_yet():
     ns = notebook(blank=True)
-    for check, args in ((lab05.underflow, ["underflow_fraction"]), (lab05.unscale, ["unscale_"]),
+    for check, args in ((lab05.underflow, ["underflow_fraction"]), (lab05.scaler_rules, ["unscale_", "update_scale"]),
                         (lab05.update, ["update_scale"]), (lab05.rescue, ["fp16_train_step", "LossScaler"]),
                         (lab05.policy_bytes, ["policy_bytes"])):
         assert "not written yet" in verdict(check, *(ns[a] for a in args))
@@ -100,6 +99,7 @@ def test_update_mistakes(old, new, words):
     ("(loss * scaler.scale).backward()", "loss.backward()", "multiply the loss by scaler.scale"),
     ("            p16.copy_(p32)\n    scaler.update", "            pass\n    scaler.update", "copy the master back"),
     ("    if not found_inf:\n        opt.step()", "    opt.step()", "skip optimizer.step()"),
+    ("self.scale, self.tracker = update_scale(", "self.scale, _ = update_scale(", "differ from the rule's"),
 ])
 def test_rescue_mistakes(old, new, words):
     ns = notebook(old=old, new=new)

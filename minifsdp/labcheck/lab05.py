@@ -76,7 +76,7 @@ def underflow(underflow_fraction: Callable[[torch.Tensor, torch.dtype], float]) 
     passed(what, "share of values from 1e-46 to 1 that round to 0: " + ", ".join(lines) + " (measured by casting)")
 
 
-# ------------------------------------------------------------------ exercise 2: unscale_
+# ------------------------------------------------------------------ exercise 2a: unscale_
 def _grad_cases() -> list[tuple[str, list[torch.Tensor], float]]:
     g = torch.Generator().manual_seed(7)
     clean = [torch.randn(5, 3, generator=g) * 1000, torch.randn(7, generator=g) * 3]
@@ -121,7 +121,7 @@ def unscale(unscale_: Callable[[list[torch.Tensor], float], Any]) -> None:
                  "_amp_foreach_non_finite_check_and_unscale_")
 
 
-# ------------------------------------------------------------------ exercise 3: update
+# ------------------------------------------------------------------ exercise 2b: update
 OVERFLOWS = [0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
 RULE = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
@@ -173,7 +173,13 @@ def update(update_scale_fn: Callable[..., tuple[float, int]]) -> None:
                          library[0]) + " (torch's _amp_update_scale_ agreed at every step)")
 
 
-# ------------------------------------------------------------------ exercise 4: fp16 training, rescued
+def scaler_rules(unscale_fn: Callable[[list[torch.Tensor], float], Any], update_scale_fn: Callable[..., Any]) -> None:
+    """Exercise 2: both rules of the scaler, each against torch's kernel (one verdict line each)."""
+    unscale(unscale_fn)
+    update(update_scale_fn)
+
+
+# ------------------------------------------------------------------ exercise 3: fp16 training, rescued
 RESCUE_STEPS, RESCUE_BATCH, RESCUE_SEQ = 12, 8, 32
 SHRINK = 2.0**-16      # puts gpt-tiny's gradients where a large model's are (below fp16's range)
 
@@ -258,7 +264,7 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
                          want_losses[-1]) + f"; fp16 without scaling {unscaled[-1]:.3f}")
 
 
-# ------------------------------------------------------------------ exercise 5: the policy's bytes
+# ------------------------------------------------------------------ exercise 4: the policy's bytes
 POLICIES = {"fp32": None, "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16),
             "bf16, fp32 reduce": MixedPrecision(torch.bfloat16, torch.float32),
             "bf16 (reduce_dtype None)": MixedPrecision(param_dtype=torch.bfloat16)}

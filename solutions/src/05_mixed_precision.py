@@ -22,8 +22,8 @@
 # **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
 # (CPU, 2 `gloo` ranks), less on GPUs.
 #
-# **Exercises**: 1. what underflows · 2. `unscale_` · 3. the scale update rule ·
-# 4. an fp16 training step with an fp32 master copy · 5. bytes per step by policy.
+# **Exercises**: 1. what underflows · 2. the scaler's two rules (`unscale_`, the update) ·
+# 3. a loss scaler and an fp16 training step with an fp32 master copy · 4. bytes per step by policy.
 #
 # **Symbols**: Ψ = the number of parameters; bytes are written 2Ψ (16-bit) and 4Ψ
 # (fp32). S = the loss scale. N = the world size.
@@ -189,11 +189,20 @@ for op in by_autocast.ops:
 # `minifsdp.mixed_precision.GradScaler` / `ShardedGradScaler` (which, for FSDP, agrees on the
 # overflow across ranks with one all-reduce).
 #
-# ### Exercise 2: `unscale_`
+# ### Exercise 2: the scaler's two rules
 #
 # Write `unscale_(grads, scale)`: divide every gradient by `scale` **in place** (the
 # optimizer reads those tensors) and return `True` if any value of any gradient is inf or
-# NaN. The check compares with torch's own kernel, `_amp_foreach_non_finite_check_and_unscale_`.
+# NaN.
+#
+# Write `update_scale(scale, tracker, found_inf, growth_factor, backoff_factor,
+# growth_interval)` returning the next `(scale, tracker)`, where `tracker` counts clean
+# steps in a row. An overflow multiplies the scale by `backoff_factor` and restarts the
+# count. A clean step adds one to the count; when the count reaches `growth_interval` the
+# scale is multiplied by `growth_factor` and the count restarts.
+#
+# The check compares both with torch's own kernels (`_amp_foreach_non_finite_check_and_unscale_`,
+# `_amp_update_scale_`), the second over a sequence of overflows and clean runs.
 
 # %%
 def unscale_(grads: list[torch.Tensor], scale: float) -> bool:
@@ -208,21 +217,6 @@ def unscale_(grads: list[torch.Tensor], scale: float) -> bool:
     # END SOLUTION
 
 
-# %%
-# CHECK: gradients divided by S in place, inf and NaN found, as torch's unscale kernel
-check.unscale(unscale_)
-
-# %% [markdown]
-# ### Exercise 3: the update rule
-#
-# Write `update_scale(scale, tracker, found_inf, growth_factor, backoff_factor,
-# growth_interval)` returning the next `(scale, tracker)`, where `tracker` counts clean
-# steps in a row. An overflow multiplies the scale by `backoff_factor` and restarts the
-# count. A clean step adds one to the count; when the count reaches `growth_interval` the
-# scale is multiplied by `growth_factor` and the count restarts. The check plays a sequence
-# of overflows against torch's `_amp_update_scale_`.
-
-# %%
 def update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float,
                  growth_interval: int) -> tuple[float, int]:
     """The scale and count of clean steps after one step."""
@@ -238,38 +232,47 @@ def update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: flo
 
 
 # %%
-# CHECK: your rule, step by step through overflows and clean runs, against torch's
-check.update(update_scale)
+# CHECK: gradients divided by S in place with inf/NaN found, and the update rule step by step, against torch
+check.scaler_rules(unscale_, update_scale)
 
 # %% [markdown]
-# The scaler's state with your two rules inside (given):
-
-# %%
-class LossScaler:
-    """A dynamic loss scaler built on unscale_ and update_scale (exercises 2 and 3)."""
-
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        self.scale, self.tracker = init_scale, 0
-        self.rule = (growth_factor, backoff_factor, growth_interval)
-
-    def unscale_(self, grads):
-        return unscale_(grads, self.scale)
-
-    def update(self, found_inf):
-        self.scale, self.tracker = update_scale(self.scale, self.tracker, found_inf, *self.rule)
-
-
-# %% [markdown]
-# ### Exercise 4: an fp16 step with an fp32 master copy
+# ### Exercise 3: a loss scaler and an fp16 step with an fp32 master copy
 #
-# `model16` is gpt-tiny in fp16; `master` holds an fp32 copy of its parameters (same
-# order) and `opt` steps `master`. Write one step: the fp16 forward and the loss
+# First the scaler's state: `LossScaler` keeps the current `scale`, the count of clean
+# steps and the rule's three constants; its `unscale_(grads)` and `update(found_inf)`
+# apply your two rules to that state.
+#
+# Then one training step. `model16` is gpt-tiny in fp16; `master` holds an fp32 copy of its
+# parameters (same order) and `opt` steps `master`. The fp16 forward and the loss
 # (`loss_fn(logits, y)`, computed in fp32 as autocast would), backward of the **scaled**
 # loss, the fp16 gradients moved to the master's `.grad` in fp32, unscale and check,
 # the optimizer step **only if** nothing overflowed, the master copied back into
 # `model16`, and the scale updated. Return the loss (unscaled) as a float.
 
 # %%
+class LossScaler:
+    """A dynamic loss scaler built on unscale_ and update_scale (exercise 2)."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        # BEGIN SOLUTION
+        # HINT: the state is the current scale and the clean-step count; the rule's constants go with it.
+        self.scale, self.tracker = init_scale, 0
+        self.rule = (growth_factor, backoff_factor, growth_interval)
+        # END SOLUTION
+
+    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+        # BEGIN SOLUTION
+        # HINT: your first rule, with the current scale.
+        return unscale_(grads, self.scale)
+        # END SOLUTION
+
+    def update(self, found_inf: bool) -> None:
+        # BEGIN SOLUTION
+        # HINT: your second rule: it gives the new state.
+        self.scale, self.tracker = update_scale(self.scale, self.tracker, found_inf, *self.rule)
+        # END SOLUTION
+
+
 def fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> float:
     """One mixed-precision step; returns the loss."""
     x, y = batch
@@ -344,7 +347,7 @@ fig
 # gradients are reduce-scattered in `reduce_dtype` (`None` means "same as `param_dtype`"),
 # then cast back to fp32 for the optimizer (unless `keep_low_precision_grads`).
 #
-# ### Exercise 5: bytes per step
+# ### Exercise 4: bytes per step
 #
 # `units` lists each FSDP unit as `(padded numel, all-gathers per step)` (the root unit is
 # gathered once, the blocks twice under FULL_SHARD, lab 04). Write `policy_bytes(units, mp)`
