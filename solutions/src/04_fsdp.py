@@ -291,7 +291,8 @@ check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks
 # `gpt-mini` for a step at 2 ranks under the memory tracker, beside
 # `minifsdp.fsdp.FullyShardedDataParallel`. Targets: one process's gradients, losses
 # and parameters (`1e-5` + `1e-4` relative); bytes per step exactly `3 x 4 B x` the
-# padded `Ψ`; the peak of a step within 25 % of the library's FSDP.
+# padded `Ψ` (no root rule here: your root is freed and gathered again like every
+# unit); the peak of a step within 25 % of the library's FSDP.
 
 # %%
 def pre_backward(unit: Unit) -> None:
@@ -499,13 +500,14 @@ for s in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
 # prefetched, section 4) next to the root. On a big model that whole-model copy is
 # what runs SHARD_GRAD_OP out of memory first.
 #
-# ### Bytes per step: measured against `3Ψ` and `2Ψ`
+# ### Bytes per step: measured against `3 x 4Ψ` and `2 x 4Ψ`
 #
-# `estimate.comm_bytes_per_step(Ψ, N, strategy, ring=False)` is the ZeRO paper's
-# count (section 7): FULL_SHARD `3Ψ`, SHARD_GRAD_OP `2Ψ`, NO_SHARD (an all-reduce,
-# counted twice its size) `2Ψ`. HYBRID_SHARD with groups of `S`: FULL_SHARD's `3Ψ`
-# inside the group plus an all-reduce of a `Ψ/S` shard, `2Ψ/S`. The measured column
-# is what `comm` recorded inside the training steps.
+# `estimate.paper_comm_bytes(Ψ, strategy)` is the ZeRO paper's count (section 7), in
+# multiples of the fp32 parameter bytes `4Ψ`: FULL_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD
+# (an all-reduce, counted twice its size) 2. HYBRID_SHARD with groups of `S`: 3 inside
+# the group plus an all-reduce of a `1/S` shard, `2/S`. `estimate.comm_bytes_per_step`
+# is the exact count (each unit padded, the root rule below). The measured column is
+# what `comm` recorded inside the training steps.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -615,22 +617,22 @@ for name, m in wrap_runs.items():
 one_peak, one_cats = peak_row(wrap_runs["none"])
 vs_block = one_peak / peak_row(wrap_runs["block"])[0]
 vs_ddp = one_peak / peak_row(runs["NO_SHARD"])[0]
-print(f"wrap='none': full parameters at the peak {one_cats['unsharded_params'] / MiB:.2f} MiB (Psi = "
+print(f"wrap='none': full parameters at the peak {one_cats['unsharded_params'] / MiB:.2f} MiB (4Ψ = "
       f"{psi_b / MiB:.2f} MiB); peak = {vs_block:.2f} x wrap='block', {vs_ddp:.2f} x NO_SHARD (section 2)")
 assert one_cats["unsharded_params"] == psi_b, "with one unit the whole model should be full at the peak"
 assert vs_block > 1.5, f"the text below says one unit peaks far above one unit per block: {vs_block:.2f}x"
 
 # %% [markdown]
 # With one unit (`"none"`) the whole model is gathered at once: at the peak every
-# parameter is full (the last line: exactly `Ψ` bytes) and backward builds the full
+# parameter is full (the last line: exactly `4Ψ` bytes) and backward builds the full
 # gradient beside it, so the peak is far above the per-block run's. What still
 # keeps it under NO_SHARD (plain DDP) is only the sharded optimizer state: for the
 # parameters and gradients, one unit buys nothing at the peak. Since the root is
 # never freed between forward and backward, the one unit is gathered once per step
-# (`Ψ`, not `2Ψ`). Smaller units lower the unsharded part of
+# (`4Ψ` bytes, not `8Ψ`). Smaller units lower the unsharded part of
 # the peak (at most the unit computing plus the one being prefetched); each unit
 # costs its own collectives, so on real hardware units that are too small lose to
-# latency. All three runs train the same model (losses within `1e-5` of one
+# latency. Both runs train the same model (losses within `1e-5` of one
 # process).
 #
 # ## 4. Optional deep dive: prefetch, when the next all-gather starts
