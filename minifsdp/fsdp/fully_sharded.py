@@ -237,6 +237,8 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._root is None:
             self._lazy_init()
+        if self._training_state == _BACKWARD:  # activation checkpointing re-runs this unit in its backward
+            return self._recompute(args, kwargs)
         with trace.span(f"forward {self._name}", unit=self._name):
             args, kwargs = self._pre_forward(args, kwargs)
             output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -262,6 +264,25 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
                 mp.cast_forward_inputs or (root is self and mp.cast_root_forward_inputs)):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         return args, kwargs
+
+    def _recompute(self, args: tuple, kwargs: dict) -> Any:
+        """The forward again, inside this unit's backward (``minifsdp.checkpoint``, torch's checkpoint_wrapper).
+
+        The parameters are already gathered for the backward, so nothing is
+        unsharded, prefetched, hooked or resharded (resharding would free them
+        under the backward that needs them; torch's FSDP skips the same steps):
+        only the inputs are cast as the forward cast them.
+        """
+        root = self._root
+        order, post, prefetch = list(root._fwd_order), list(root._post_order), self._forward_prefetch
+        self._forward_prefetch = False
+        try:
+            args, kwargs = self._pre_forward(args, kwargs)  # unshard() of a gathered unit is a no-op
+        finally:
+            root._fwd_order[:], root._post_order[:], self._forward_prefetch = order, post, prefetch
+            self._training_state = _BACKWARD
+        with trace.span(f"recompute {self._name}", unit=self._name):
+            return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _post_forward(self, output: Any) -> Any:
         root = self._root
