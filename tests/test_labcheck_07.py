@@ -21,10 +21,13 @@ BACKWARD_FIRST = (("acts += [f\"{r}F{w + i}\", f\"{r}B{i}\"]", "acts += [f\"{r}B
 W_RIGHT_AFTER_I = (("acts += group + ([f\"{r}W{i - r}\"] if i >= r else [])", "acts += group + [f\"{r}W{i}\"]"),
                    ("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"))
 W_FORGOTTEN = (("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"),)
+NO_REQUIRES_GRAD = (("            inputs[i].requires_grad_()\n", ""),)
+NO_LOSSES = (("                losses.append(out.detach())\n", ""),)
 
 
 def test_mistakes_still_match_the_solution():
-    for edits in (COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, W_RIGHT_AFTER_I, W_FORGOTTEN):
+    for edits in (COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, W_RIGHT_AFTER_I, W_FORGOTTEN,
+                  NO_REQUIRES_GRAD, NO_LOSSES):
         edits_apply(L07, edits)
 
 
@@ -33,8 +36,9 @@ def test_solution_passes_every_check(capsys):
     lab07.measured_bubble(ns["my_measured_bubble"])
     lab07.one_f_one_b(ns["my_1f1b"])
     lab07.zero_bubble(ns["my_zero_bubble"])
+    lab07.executor(ns["my_run_plan"])
     out = capsys.readouterr().out
-    assert out.count("✅") == 3 and "yours" in out and "target" in out and "library" in out
+    assert out.count("✅") == 4 and "yours" in out and "target" in out and "library" in out
 
 
 def test_blank_lab_fails_every_check():
@@ -42,6 +46,7 @@ def test_blank_lab_fails_every_check():
     fails(lab07.measured_bubble, ns["my_measured_bubble"], words="not written yet")
     fails(lab07.one_f_one_b, ns["my_1f1b"], words="not written yet")
     fails(lab07.zero_bubble, ns["my_zero_bubble"], words="not written yet")
+    fails(lab07.executor, ns["my_run_plan"], words="not written yet")
 
 
 def test_measured_bubble_mistakes():
@@ -63,3 +68,12 @@ def test_zero_bubble_mistakes():
     fails(lab07.zero_bubble, load(L07, edits=W_FORGOTTEN)["my_zero_bubble"],
           words="never runs the weight-gradient backward")
     fails(lab07.zero_bubble, load(L07)["my_1f1b"], words="split every backward B into I")
+
+
+def test_executor_mistakes():
+    fails(lab07.executor, load(L07, edits=NO_REQUIRES_GRAD)["my_run_plan"], words="requires grad")
+    fails(lab07.executor, load(L07, edits=NO_LOSSES)["my_run_plan"], words="the last rank returned losses []")
+
+    def uses_library(stage_module, actions, x, y, m):
+        return pipeline.ScheduleFromPlan([stage_module], actions, None).step(x)
+    fails(lab07.executor, uses_library, words="library's runtime")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import estimate, pipeline, trace
-from .verdict import call, failed, figures, is_library, passed, require_written
+from .verdict import CheckFailed, call, failed, figures, is_library, passed, require_written
 
-__all__ = ["one_f_one_b", "zero_bubble", "measured_bubble"]
+__all__ = ["one_f_one_b", "zero_bubble", "measured_bubble", "executor"]
 
 SIZES = ((2, 1), (2, 4), (3, 5), (4, 4), (4, 8))  # (p, m), m < p included
 
@@ -148,3 +148,85 @@ def measured_bubble(fn: Callable) -> None:
                     "total = (last end - first start) x ranks")
         failed(what, f"on two hand-made traces it gives {got:.3f}, the answer is {want:.3f}: {hint}")
     passed(what, figures("hand-made traces", f"{got:.3f}", f"{want:.3f}"))
+
+
+# ------------------------------------------------------------------ exercise 4: an executor
+_LIBRARY_RUNTIME = ("ScheduleFromPlan", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "forward_one_chunk",
+                    "backward_one_chunk")
+_M, _BATCH, _SEQ = 4, 16, 32
+
+
+def _run_executor(fn: Callable) -> dict[str, tuple]:
+    """On each of 2 ranks: the learner's executor runs 1F1B and GPipe (m = 4) on half of gpt-tiny."""
+    import torch
+
+    from .. import data, dist, models
+    from ..memory import MemoryTracker
+
+    rank, p = dist.rank(), dist.world_size()
+    x, y = (t.to(dist.device()) for t in data.get_batch(0, _BATCH, _SEQ))
+    out = {}
+    for name in ("1f1b", "gpipe"):
+        part = pipeline.split_gpt(models.build_model("gpt-tiny", seed=0).to(dist.device()), p)[rank]
+        actions = pipeline.make_plan(name, p, _M).with_comms().order[rank]
+        tracker = MemoryTracker()
+        tracker.track_model(part)
+        with tracker:
+            losses = fn(part, actions, x, y, _M)
+        grads = {n: None if q.grad is None else q.grad.cpu() for n, q in part.named_parameters()}
+        out[name] = ([float(v) for v in losses or []], grads, tracker.peak_by_category["activations"])
+        del part, tracker
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def executor(fn: Callable) -> None:
+    """``fn(stage_module, actions, x, y, m)`` runs one rank's lowered plan: one-process gradients and
+    losses, and 1F1B's activation memory below GPipe's."""
+    import torch
+
+    from .. import data, models
+    from .verdict import run, uses
+
+    what = "pipeline executor"
+    require_written(what, fn)
+    found = uses(fn, *_LIBRARY_RUNTIME)
+    if found:
+        failed(what, f"it calls {found[0]}, the library's runtime: run the actions yourself with comm.recv / "
+                     "comm.isend, the stage's forward and backward")
+    try:
+        results = run(what, _run_executor, 2, fn, timeout=90)
+    except CheckFailed as err:
+        if "Expected parameter `tensor`" in str(err) or "'NoneType'" in str(err):
+            failed(what, f"{str(err).split(': ', 1)[1]} - a send got None: is each received activation a leaf "
+                         "that requires grad, so that backward leaves its gradient in .grad?")
+        raise
+    ref = models.build_model("gpt-tiny", seed=0)
+    x, y = data.get_batch(0, _BATCH, _SEQ)
+    models.lm_loss(ref(x), y).backward()
+    with torch.no_grad():
+        ref_losses = [models.lm_loss(ref(xc), yc).item() for xc, yc in zip(x.chunk(_M), y.chunk(_M))]
+    ref_grads = dict(ref.named_parameters())
+    worst = 0.0
+    for rank, res in enumerate(results):
+        for name, (losses, grads, _) in res.items():
+            for n, g in grads.items():
+                if g is None:
+                    failed(what, f"{name}: rank {rank}'s {n} has no gradient: does every B run backward, from "
+                                 "the loss on the last rank and from the received gradient elsewhere?")
+                err = ((g - ref_grads[n].grad).norm() / ref_grads[n].grad.norm()).item()
+                if err > 1e-5:
+                    failed(what, f"{name}: rank {rank}'s {n} differs from one process's gradient by {err:.1e} "
+                                 "(relative): each micro-batch's backward must start from its own output "
+                                 "and the gradient received for that same micro-batch")
+                worst = max(worst, err)
+            if rank == 1 and (len(losses) != _M or any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(losses, ref_losses))):
+                failed(what, f"{name}: the last rank returned losses {losses}, one process gives {ref_losses} "
+                             "for the 4 micro-batches in order")
+    one, gp = results[0]["1f1b"][2], results[0]["gpipe"][2]
+    if one >= 0.9 * gp:
+        failed(what, f"rank 0's activations peak at {one / 2**20:.2f} MiB under 1F1B and {gp / 2**20:.2f} MiB under "
+                     "GPipe: 1F1B holds 2 micro-batches, not 4, only if the executor lets go of a micro-batch's "
+                     "input and output once its backward and SEND_B have run")
+    passed(what, f"gradients equal one process's (largest relative difference {worst:.1e}); rank 0 peak "
+           "activations " + figures("1F1B", f"{one / 2**20:.2f}", f"< GPipe's {gp / 2**20:.2f}", unit="MiB"))

@@ -22,8 +22,8 @@
 # **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
 # (2 CPU ranks), the same on a 2-GPU VM.
 #
-# **Exercises**: 1. the measured bubble of a trace · 2. 1F1B as data · 3. a zero-bubble
-# schedule.
+# **Exercises**: 1. the measured bubble of a trace · 2. 1F1B as data · 3. an executor that
+# runs your plan · 4. a zero-bubble schedule.
 #
 # Symbols: p = pipeline stages (ranks), m = micro-batches per step, v = stages per rank
 # (interleaved). In plans, `"1F3"` is stage 1's forward of micro-batch 3 (torch's notation).
@@ -35,7 +35,7 @@ import time
 import ipywidgets as widgets
 import torch
 
-from minifsdp import data, dist, estimate, launch, models, plot, trace
+from minifsdp import comm, data, dist, estimate, launch, models, plot, trace
 from minifsdp.labcheck import lab07 as check
 from minifsdp.memory import MemoryTracker
 from minifsdp.pipeline import (Action, Plan, PipelineStage, ScheduleFromPlan, make_plan, simulate, split_gpt,
@@ -219,7 +219,65 @@ print(f"bubble {timeline.bubble:.1%}; micro-batches held at the peak, per rank: 
       f"(GPipe: {make_plan('gpipe', 4, 8).peak_activations()})")
 
 # %% [markdown]
-# The executor runs any valid plan: `ScheduleFromPlan([stage], plan, loss_fn)`. Here
+# ### Exercise 3: run a plan yourself
+#
+# A plan is just a list; running it is a loop. `validate(plan).lowered` (or
+# `plan.with_comms()`) is the plan with its messages: `RECV_F` before a forward that
+# needs a neighbour's activation, `SEND_F` after it, `RECV_B` / `SEND_B` the same for
+# gradients. Write the loop body for one rank: a received activation becomes a leaf
+# that requires grad (so backward leaves the gradient for the previous rank in its
+# `.grad`); the last rank's forward ends in the loss; a backward starts from the loss
+# on the last rank and from the received gradient elsewhere. Use `comm.recv(buffer,
+# src)` (blocking) and `comm.isend(tensor, dst)` (keep the handle in `sends`), and let
+# go of a micro-batch's tensors once its backward and sends are done.
+
+# %%
+def my_run_plan(stage_module, actions, x, y, m):
+    """Run this rank's lowered actions for one step; return the m losses on the last rank, else []."""
+    rank, p = dist.rank(), dist.world_size()
+    xs, ys = x.chunk(m), y.chunk(m)
+    shape = (x.shape[0] // m, x.shape[1], stage_module.config.n_embd)  # what travels between stages
+    inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
+    for a in actions:
+        i = a.mb
+        # BEGIN SOLUTION
+        # HINT: One branch per a.kind. RECV_* fill a fresh torch.empty(shape) from the neighbour (rank - 1
+        # HINT: for activations, rank + 1 for gradients); F keeps its input and output (the loss on the
+        # HINT: last rank); B pops the output and runs backward; SEND_B sends the input's .grad upstream.
+        if a.kind == "RECV_F":
+            inputs[i] = torch.empty(shape, device=x.device)
+            comm.recv(inputs[i], rank - 1)
+            inputs[i].requires_grad_()
+        elif a.kind == "F":
+            out = stage_module(xs[i] if rank == 0 else inputs[i])
+            if rank == p - 1:
+                out = models.lm_loss(out, ys[i])
+                losses.append(out.detach())
+            outputs[i] = out
+        elif a.kind == "SEND_F":
+            sends.append(comm.isend(outputs[i].detach(), rank + 1))
+        elif a.kind == "RECV_B":
+            grads[i] = torch.empty(shape, device=x.device)
+            comm.recv(grads[i], rank + 1)
+        elif a.kind == "B":
+            outputs.pop(i).backward(grads.pop(i) if rank < p - 1 else None)
+        elif a.kind == "SEND_B":
+            sends.append(comm.isend(inputs.pop(i).grad, rank - 1))
+        # END SOLUTION
+    for handle in sends:
+        handle.wait()
+    for q in stage_module.parameters():
+        q.grad /= m  # the mean over micro-batches: the whole batch's gradient
+    return losses
+
+
+# %%
+# CHECK: my_run_plan runs 1F1B and GPipe on 2 ranks with one process's gradients, 1F1B in less memory
+check.executor(my_run_plan)
+
+# %% [markdown]
+# The library's executor is the same loop, plus the zero-bubble actions, shapes learned
+# at the first step and a trace span per action: `ScheduleFromPlan([stage], plan, loss_fn)`. Here
 # your 1F1B and the library's GPipe at m = 2p on P ranks, the memory tracker on, and
 # your gradients against one process running the whole batch:
 
@@ -304,7 +362,7 @@ explore("interleaved", p=4, m=8, v=2)
 # stage input *and* to each layer's output; W is `autograd.grad(layer_output,
 # layer.weights, grad)` per layer, which walks only that layer's own nodes.
 #
-# ### Exercise 3: a zero-bubble schedule
+# ### Exercise 4: a zero-bubble schedule
 #
 # Start from 1F1B with each `B` replaced by `I`; every `I` now owes a `W` of the same
 # micro-batch. Place the W's so that the bubble is below 1F1B's while no rank holds more
