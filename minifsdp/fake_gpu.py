@@ -8,15 +8,17 @@ that forgets ``device=dist.device()`` runs fine there and fails only on the VM.
 Under a **pretend GPU** the forgotten device shows on the CPU too.
 ``MINIFSDP_FAKE_GPU=1`` in the environment makes ``launch``'s workers run with:
 
-* ``dist.device()`` returning ``FAKE_GPU`` (``torch.device("cpu", 0)``: a real
-  CPU device, so every op still runs, yet a different object from the ``cpu``
-  a tensor gets by default);
+* ``dist.device()`` returning ``FAKE_GPU``: one particular ``torch.device("cpu")``
+  object, told apart from every other ``cpu`` by identity. It prints and compares
+  as ``cpu``, so everything else (memory tracking by device name, ``.type``
+  checks) behaves exactly as on the CPU;
 * every tensor the worker puts "on the GPU" remembered (by its storage): made
   with ``device=dist.device()``, moved with ``.to(dist.device())``, or computed,
   by any op forward *or backward*, from such a tensor — exactly the tensors that
   would be CUDA tensors on a GPU machine, where an op's output lives with its
-  inputs and a factory without ``device=`` makes a CPU tensor. ``.cpu()`` and
-  ``.to("cpu")`` give an unmarked copy, as on a GPU;
+  inputs and a factory without ``device=`` makes a CPU tensor. As on a GPU,
+  ``.to(dist.device())`` returns a copy (the original stays "on the CPU") and
+  ``.cpu()`` / ``.to("cpu")`` return an unmarked copy;
 * every ``torch.distributed`` collective and point-to-point call (``comm`` goes
   through them) checking that each tensor it gets is remembered, else raising
   ``DeviceDisciplineError`` naming the call, the tensor and the fix.
@@ -27,7 +29,10 @@ so a run that passes would not have handed a CPU tensor to NCCL through those
 calls. What it does not see: tensors that C++ code makes and communicates by
 itself (torch's own DDP reducer). It is lenient where CUDA is strict (an op
 mixing a GPU and a CPU tensor, which CUDA rejects unless the CPU one is a 0-d
-scalar, gives a remembered output).
+scalar, gives a remembered output), and strict where it cannot know: a
+factory given ``device=t.device`` of a remembered ``t`` (a fresh ``cpu``
+object) makes an unremembered tensor, so it can raise a false alarm, never
+miss a CPU tensor. Use ``dist.device()``, ``t.new_*`` or ``torch.*_like(t)``.
 
     >>> import os; os.environ["MINIFSDP_FAKE_GPU"] = "1"      # doctest: +SKIP
     >>> launch(lambda: comm.all_reduce(torch.ones(3)), 2)      # doctest: +SKIP
@@ -49,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import dist
 
-FAKE_GPU = torch.device("cpu", 0)
+FAKE_GPU = torch.device("cpu")  # compared by identity: `device is FAKE_GPU`
 ENV = "MINIFSDP_FAKE_GPU"
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                 "reduce_scatter_tensor", "reduce", "send", "recv", "isend", "irecv", "all_to_all_single",
@@ -100,8 +105,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _is_fake(device: Any) -> bool:
-    return device is not None and torch.device(device) == FAKE_GPU if isinstance(device, (str, torch.device)) \
-        else False
+    return device is FAKE_GPU
 
 
 def _to_cpu(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -110,7 +114,7 @@ def _to_cpu(func: Any, args: tuple, kwargs: dict) -> bool:
         return True
     if func is torch.Tensor.to:
         target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
-        return target is not None and torch.device(target).type == "cpu" and not _is_fake(target)
+        return target is not None and not _is_fake(target) and torch.device(target).type == "cpu"
     return False
 
 
@@ -120,14 +124,17 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        moved = _is_fake(kwargs.get("device")) or (
-            func in (torch.Tensor.to, torch.Tensor.cuda) and any(_is_fake(a) for a in args[1:]))
+        if func is torch.Tensor.to and (any(_is_fake(a) for a in args[1:]) or _is_fake(kwargs.get("device"))):
+            if args[0] not in _marks and out.untyped_storage() is args[0].untyped_storage():
+                out = out.clone()  # a copy, as x.to("cuda") is; x itself stays on the CPU
+            _marks.add(out)
+            return out
         if _to_cpu(func, args, kwargs):
             if isinstance(out, torch.Tensor) and out in _marks:  # on a GPU this is a copy, on the CPU
                 out = out.clone()
                 _marks.discard(out)
             return out
-        if moved:
+        if _is_fake(kwargs.get("device")):
             for t in _tensors(out):
                 _marks.add(t)
         return out
@@ -139,7 +146,7 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if any(t in _marks for t in _tensors((args, kwargs))) or _is_fake(kwargs.get("device")):
+        if any(t in _marks for t in _tensors((args, kwargs))):
             for t in _tensors(out):
                 _marks.add(t)
         return out

@@ -7,8 +7,8 @@ the bad ones the mistakes a GPU VM would reject.
 import pytest
 import torch
 
-from minifsdp import WorkerError, comm, data, dist, launch, models
-from minifsdp.fake_gpu import ENV, FAKE_GPU
+from minifsdp import WorkerError, comm, data, dist, fake_gpu, launch, models
+from minifsdp.fake_gpu import ENV
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,7 @@ def pretend(monkeypatch):
 
 
 def _good():
-    assert dist.device() == FAKE_GPU
+    assert dist.device() is fake_gpu.FAKE_GPU and str(dist.device()) == "cpu"  # prints as cpu: trackers etc. unchanged
     x = torch.ones(3, device=dist.device())
     comm.all_reduce(x)
     model = models.build_model("gpt-tiny", seed=0).to(dist.device())
@@ -50,13 +50,19 @@ def _batch_not_moved():
     comm.all_reduce(x.float())  # the batch stayed on the CPU
 
 
+def _moved_but_sent_the_original():
+    x = torch.ones(3)
+    x.to(dist.device())  # the moved copy is dropped: x is still a CPU tensor on a GPU machine
+    comm.all_reduce(x)
+
+
 def _cpu_copy():
     x = torch.ones(3, device=dist.device())
     comm.all_reduce(x.cpu())  # a CPU copy, handed to the collective
 
 
-@pytest.mark.parametrize("worker", [_cpu_factory, _model_not_moved, _batch_not_moved, _cpu_copy],
-                         ids=["factory", "model", "batch", "cpu-copy"])
+@pytest.mark.parametrize("worker", [_cpu_factory, _model_not_moved, _batch_not_moved, _moved_but_sent_the_original,
+                                    _cpu_copy], ids=["factory", "model", "batch", "original", "cpu-copy"])
 def test_cpu_tensor_to_a_collective_is_caught(worker):
     with pytest.raises(WorkerError, match="DeviceDisciplineError: .* on the CPU: on a GPU machine NCCL rejects it"):
         launch(worker, 2, timeout=60)
