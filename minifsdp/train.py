@@ -13,6 +13,7 @@ only a function that wraps the model and builds the optimizer:
                 x data-parallel replicas                     (minifsdp.pipeline)
     tp          Megatron tensor parallel (--tp N, --sequence-parallel)  (minifsdp.tensor_parallel)
     fsdp+tp     FSDP over --dp replicas of a --tp split model: 2D  (minifsdp.mesh)
+    3d          --pp stages x --tp split layers x --dp replicas    (pipeline + tensor_parallel)
     torch-ddp, torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard)
                 PyTorch's own, for comparison                (torch_reference.py)
 
@@ -242,6 +243,22 @@ def _torch_tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
+@strategy("3d")
+def _three_d(model: torch.nn.Module, cfg: TrainConfig):
+    # PP x TP x DP on one DeviceMesh (tp fastest): split every layer --tp ways, cut the split model
+    # into --pp stages whose peers are the mesh's pp group, average gradients over its dp group.
+    from .mesh import DeviceMesh
+    from .pipeline import PipelineParallel
+    from .tensor_parallel import ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
+
+    mesh = initialize_model_parallel(cfg.tp, cfg.pp, mesh=DeviceMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp))
+    wrapped = PipelineParallel(tensor_parallel_gpt(model), cfg.pp, cfg.micro_batches, cfg.schedule,
+                               cfg.virtual_stages, dp=cfg.dp, pp_group=mesh.get_group("pp"),
+                               dp_group=mesh.get_group("dp") if cfg.dp > 1 else None)
+    wrapped.schedule._loss_fn = ParallelGPT.loss  # the last stage's head is vocab-parallel
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
 # PyTorch's own implementations, for comparison (torch_reference.py): torch-ddp,
 # torch-zero1, torch-fsdp (FSDP1), torch-fsdp2 (fully_shard).
 STRATEGIES.update(torch_reference.STRATEGIES)
@@ -274,7 +291,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
-    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "torch-pp", "tp", "fsdp+tp"):
+    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "torch-pp", "tp", "fsdp+tp", "3d"):
         raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
                          "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
     if cfg.precision not in PRECISIONS:
@@ -284,9 +301,9 @@ def validate(cfg: TrainConfig) -> None:
                          f"with {', '.join(PRECISION_STRATEGIES)}")
     if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
         _validate_pipeline(cfg)
-    if cfg.strategy in ("tp", "fsdp+tp", "torch-tp"):
+    if cfg.strategy in ("tp", "fsdp+tp", "torch-tp", "3d"):
         _validate_tensor_parallel(cfg)
-    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp") else 1 if cfg.strategy in ("pp", "torch-pp", "tp", "torch-tp")
+    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp", "3d") else 1 if cfg.strategy in ("pp", "torch-pp", "tp", "torch-tp")
            else cfg.world_size) * cfg.grad_accum
     if cfg.batch_size < per or cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of world size x grad accum = {per} "
@@ -317,15 +334,22 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
 def _validate_tensor_parallel(cfg: TrainConfig) -> None:
     from .tensor_parallel import check_divisible
 
-    dp = cfg.dp if cfg.strategy == "fsdp+tp" else 1
+    dp = cfg.dp if cfg.strategy in ("fsdp+tp", "3d") else 1
+    pp = cfg.pp if cfg.strategy == "3d" else 1
+    if cfg.strategy == "3d":
+        if cfg.grad_accum != 1 or cfg.batch_size % (dp * cfg.micro_batches):
+            raise ValueError(f"--strategy 3d accumulates over --micro-batches (no --grad-accum); --batch-size must "
+                             f"be a multiple of dp x micro-batches = {dp * cfg.micro_batches}")
+        if pp < 1 or pp > models.MODEL_PRESETS[cfg.model].n_layer + 2:
+            raise ValueError(f"--pp {pp}: use 1 to {models.MODEL_PRESETS[cfg.model].n_layer + 2} stages")
     if cfg.strategy == "torch-tp" and (cfg.grad_accum != 1 or cfg.sequence_parallel):
         raise ValueError("--strategy torch-tp runs one micro-batch per step without sequence parallel: "
                          "drop --grad-accum / --sequence-parallel")
     if cfg.tp < 1 or dp < 1:
         raise ValueError(f"--tp and --dp must be >= 1, got --tp {cfg.tp} --dp {dp}")
-    if cfg.world_size != dp * cfg.tp:
-        raise ValueError(f"--strategy {cfg.strategy} runs dp x tp = {dp} x {cfg.tp} ranks: use --world-size "
-                         f"{dp * cfg.tp} (got {cfg.world_size})")
+    if cfg.world_size != dp * pp * cfg.tp:
+        raise ValueError(f"--strategy {cfg.strategy} runs dp x pp x tp = {dp} x {pp} x {cfg.tp} ranks: use "
+                         f"--world-size {dp * pp * cfg.tp} (got {cfg.world_size})")
     config = models.MODEL_PRESETS[cfg.model]
     check_divisible(config, cfg.tp, cfg.seq_len or config.block_size, cfg.sequence_parallel)
 
@@ -603,7 +627,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
     pipeline_world = a.pp * (a.dp if a.strategy == "pp+dp" else 1)
-    model_world = {"tp": a.tp, "torch-tp": a.tp, "fsdp+tp": a.dp * a.tp}.get(a.strategy)
+    model_world = {"tp": a.tp, "torch-tp": a.tp, "fsdp+tp": a.dp * a.tp, "3d": a.pp * a.dp * a.tp}.get(a.strategy)
     world = a.world_size if a.world_size is not None else (
         1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp", "torch-pp") else model_world or 2)
     return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,

@@ -23,7 +23,8 @@ def single(tmp_path_factory):
     {"strategy": "tp", "world_size": 2, "tp": 2, "sequence_parallel": True, "grad_accum": 2},
     {"strategy": "fsdp+tp", "world_size": 4, "dp": 2, "tp": 2},
     {"strategy": "torch-tp", "world_size": 2, "tp": 2},
-], ids=["tp2", "tp2-sp-accum2", "fsdp2xtp2", "torch-tp2"])
+    {"strategy": "3d", "world_size": 8, "pp": 2, "tp": 2, "dp": 2, "micro_batches": 2},
+], ids=["tp2", "tp2-sp-accum2", "fsdp2xtp2", "torch-tp2", "3d-pp2xtp2xdp2"])
 def test_parity_with_single(tmp_path, single, kw):
     m = _run(tmp_path, **kw)
     assert m["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
@@ -41,10 +42,11 @@ def test_cli_defaults_and_bad_input(tmp_path):
     cfg = parse_args(["--strategy", "fsdp+tp", "--dp", "2", "--tp", "2"])
     assert cfg.world_size == 4 and cfg.tp == 2 and cfg.dp == 2
     assert parse_args(["--strategy", "tp", "--tp", "2", "--sequence-parallel"]).world_size == 2
+    assert parse_args(["--strategy", "3d", "--pp", "2", "--tp", "2", "--dp", "2"]).world_size == 8
     out = str(tmp_path)
     with pytest.raises(ValueError, match="n_head=2 is not divisible by tp=4"):
         validate(TrainConfig(strategy="tp", world_size=4, tp=4, out=out))
-    with pytest.raises(ValueError, match=r"dp x tp = 2 x 2 ranks: use --world-size 4"):
+    with pytest.raises(ValueError, match=r"dp x pp x tp = 2 x 1 x 2 ranks: use --world-size 4"):
         validate(TrainConfig(strategy="fsdp+tp", world_size=2, dp=2, tp=2, out=out))
     with pytest.raises(ValueError, match="length 15 is not divisible by tp=2"):
         validate(TrainConfig(strategy="tp", world_size=2, tp=2, seq_len=15, sequence_parallel=True, out=out))
