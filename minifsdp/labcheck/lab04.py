@@ -132,10 +132,9 @@ def _unit_fqns(model: torch.nn.Module) -> dict[int, str]:
 
 def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps: int, batch: int, seq: int,
                 forward_only: bool = False, track_memory: bool = False) -> dict:
-    """Train ``steps`` steps on this rank: ``mode`` "learner" (the lab's ``shard_model``), "FULL_SHARD" or
-    "SHARD_GRAD_OP" (``minifsdp.fsdp``), or "naive" (``minifsdp.fsdp.naive``). Plain data back."""
+    """Train ``steps`` steps on this rank: ``mode`` "learner" (the lab's ``shard_model``), or "FULL_SHARD" /
+    "SHARD_GRAD_OP" (``minifsdp.fsdp``). Plain data back."""
     from ..fsdp import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-    from ..fsdp.naive import NaiveFullyShardedDataParallel
 
     torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
@@ -147,9 +146,6 @@ def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps:
         units = list(shard_model(model, {models.Block}))
         net, params = model, [u.shard for u in units]
         out["units"] = [(u.name, u.numel, u.padded_numel, u.shard.numel()) for u in units]
-    elif mode == "naive":
-        net = NaiveFullyShardedDataParallel(model, unit_types={models.Block})
-        units, params = net.units, list(net.parameters())
     else:
         net = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({models.Block}),
                                        sharding_strategy=ShardingStrategy[mode])
