@@ -73,9 +73,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
-    "tensor": ("tp:torch-tp",),
+    "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp"),
 }
 TP_SIDES = ("tp", "torch-tp")  # tp = the world size
+TP2D_SIDES = ("fsdp+tp", "torch-fsdp+tp")  # dp = world size / 2, tp = 2
 PIPELINE_SIDES = ("pp", "torch-pp")  # their @option is the schedule
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 LOSS_RTOL = 1e-5  # fp32, a few AdamW steps: as tests/test_train.py
@@ -153,6 +154,8 @@ def _config(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, st
                        virtual_stages=2 if schedule in ("interleaved", "zero-bubble") else 1)
     elif name in TP_SIDES:
         options = dict(tp=world_size)
+    elif name in TP2D_SIDES:
+        options = dict(dp=world_size // 2, tp=2)
     else:
         options = dict(sharding_strategy=option or "FULL_SHARD")
     return TrainConfig(strategy=name, world_size=world_size, model=cfg.model, steps=steps, batch_size=cfg.batch_size,
@@ -204,6 +207,14 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     if parse_side(side)[0] in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
         config = models.MODEL_PRESETS[model_name]
         by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size)
+        return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
+                "n_params": models.count_parameters(model)}
+    if parse_side(side)[0] in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
+        plan = planner.plan(model_name, batch=batch_size, dp=world_size // 2, tp=2, zero_stage=3)
+        by_op = {}
+        for ops in plan.comm.values():
+            for op, b in ops.items():
+                by_op[op] = by_op.get(op, 0) + b
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     strategy = comm_strategy(side)
@@ -314,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pairs", nargs="+", default=None,
                    help="ours:theirs pairs; a side is strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a named list of pairs (issue4: DDP/ZeRO/FSDP; pipeline: every pp schedule; tensor: tp)")
+                   help="a named list of pairs (issue4: DDP/ZeRO/FSDP; pipeline: every pp schedule; tensor: tp, fsdp+tp)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

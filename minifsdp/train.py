@@ -243,6 +243,19 @@ def _torch_tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
+@strategy("torch-fsdp+tp")
+def _torch_fsdp_tp(model: torch.nn.Module, cfg: TrainConfig):
+    # torch's 2D recipe for the benchmark: DTensor TP inside, FSDP2 fully_shard over the dp dimension.
+    import functools
+
+    from .tensor_parallel.torch_tp import torch_fsdp_tp_gpt, torch_tp_train_step
+
+    wrapped, dp_rank = torch_fsdp_tp_gpt(model, cfg.dp, cfg.tp)
+    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped)
+    wrapped.data_parallel_rank, wrapped.data_parallel_size = dp_rank, cfg.dp
+    return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
 @strategy("3d")
 def _three_d(model: torch.nn.Module, cfg: TrainConfig):
     # PP x TP x DP on one DeviceMesh (tp fastest): split every layer --tp ways, cut the split model
@@ -301,9 +314,9 @@ def validate(cfg: TrainConfig) -> None:
                          f"with {', '.join(PRECISION_STRATEGIES)}")
     if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
         _validate_pipeline(cfg)
-    if cfg.strategy in ("tp", "fsdp+tp", "torch-tp", "3d"):
+    if cfg.strategy in ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp", "3d"):
         _validate_tensor_parallel(cfg)
-    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp", "3d") else 1 if cfg.strategy in ("pp", "torch-pp", "tp", "torch-tp")
+    per = (cfg.dp if cfg.strategy in ("pp+dp", "fsdp+tp", "torch-fsdp+tp", "3d") else 1 if cfg.strategy in ("pp", "torch-pp", "tp", "torch-tp")
            else cfg.world_size) * cfg.grad_accum
     if cfg.batch_size < per or cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of world size x grad accum = {per} "
@@ -334,7 +347,7 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
 def _validate_tensor_parallel(cfg: TrainConfig) -> None:
     from .tensor_parallel import check_divisible
 
-    dp = cfg.dp if cfg.strategy in ("fsdp+tp", "3d") else 1
+    dp = cfg.dp if cfg.strategy in ("fsdp+tp", "torch-fsdp+tp", "3d") else 1
     pp = cfg.pp if cfg.strategy == "3d" else 1
     if cfg.strategy == "3d":
         if cfg.grad_accum != 1 or cfg.batch_size % (dp * cfg.micro_batches):
@@ -342,8 +355,8 @@ def _validate_tensor_parallel(cfg: TrainConfig) -> None:
                              f"be a multiple of dp x micro-batches = {dp * cfg.micro_batches}")
         if pp < 1 or pp > models.MODEL_PRESETS[cfg.model].n_layer + 2:
             raise ValueError(f"--pp {pp}: use 1 to {models.MODEL_PRESETS[cfg.model].n_layer + 2} stages")
-    if cfg.strategy == "torch-tp" and (cfg.grad_accum != 1 or cfg.sequence_parallel):
-        raise ValueError("--strategy torch-tp runs one micro-batch per step without sequence parallel: "
+    if cfg.strategy.startswith("torch-") and (cfg.grad_accum != 1 or cfg.sequence_parallel):
+        raise ValueError(f"--strategy {cfg.strategy} runs one micro-batch per step without sequence parallel: "
                          "drop --grad-accum / --sequence-parallel")
     if cfg.tp < 1 or dp < 1:
         raise ValueError(f"--tp and --dp must be >= 1, got --tp {cfg.tp} --dp {dp}")
@@ -627,7 +640,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
     pipeline_world = a.pp * (a.dp if a.strategy == "pp+dp" else 1)
-    model_world = {"tp": a.tp, "torch-tp": a.tp, "fsdp+tp": a.dp * a.tp, "3d": a.pp * a.dp * a.tp}.get(a.strategy)
+    model_world = {"tp": a.tp, "torch-tp": a.tp, "fsdp+tp": a.dp * a.tp,
+                   "torch-fsdp+tp": a.dp * a.tp, "3d": a.pp * a.dp * a.tp}.get(a.strategy)
     world = a.world_size if a.world_size is not None else (
         1 if a.strategy == "single" else pipeline_world if a.strategy in ("pp", "pp+dp", "torch-pp") else model_world or 2)
     return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,

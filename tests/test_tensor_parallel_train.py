@@ -23,8 +23,9 @@ def single(tmp_path_factory):
     {"strategy": "tp", "world_size": 2, "tp": 2, "sequence_parallel": True, "grad_accum": 2},
     {"strategy": "fsdp+tp", "world_size": 4, "dp": 2, "tp": 2},
     {"strategy": "torch-tp", "world_size": 2, "tp": 2},
+    {"strategy": "torch-fsdp+tp", "world_size": 4, "dp": 2, "tp": 2},
     {"strategy": "3d", "world_size": 8, "pp": 2, "tp": 2, "dp": 2, "micro_batches": 2},
-], ids=["tp2", "tp2-sp-accum2", "fsdp2xtp2", "torch-tp2", "3d-pp2xtp2xdp2"])
+], ids=["tp2", "tp2-sp-accum2", "fsdp2xtp2", "torch-tp2", "torch-fsdp2xtp2", "3d-pp2xtp2xdp2"])
 def test_parity_with_single(tmp_path, single, kw):
     m = _run(tmp_path, **kw)
     assert m["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)

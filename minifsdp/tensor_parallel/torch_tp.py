@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import dist, models
 
-__all__ = ["torch_tensor_parallel_gpt", "torch_tp_train_step"]
+__all__ = ["torch_tensor_parallel_gpt", "torch_fsdp_tp_gpt", "torch_tp_train_step"]
 
 
 def _local_heads_forward(self: models.CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
@@ -37,8 +37,9 @@ def _local_heads_forward(self: models.CausalSelfAttention, x: torch.Tensor) -> t
     return self.c_proj(y)
 
 
-def torch_tensor_parallel_gpt(model: models.GPT, tp: int) -> models.GPT:
-    """``model`` parallelized in place over all ``tp`` ranks with torch's DTensor tensor parallel."""
+def torch_tensor_parallel_gpt(model: models.GPT, tp: int, mesh: object | None = None) -> models.GPT:
+    """``model`` parallelized in place with torch's DTensor tensor parallel, over ``mesh`` (a 1-D
+    ``DeviceMesh`` of ``tp`` ranks; default: all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -58,8 +59,22 @@ def torch_tensor_parallel_gpt(model: models.GPT, tp: int) -> models.GPT:
     for i in range(len(model.blocks)):
         plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
                      f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
-    mesh = init_device_mesh(dist.device().type, (tp,))
+    mesh = mesh if mesh is not None else init_device_mesh(dist.device().type, (tp,))
     return parallelize_module(model, mesh, plan)
+
+
+def torch_fsdp_tp_gpt(model: models.GPT, dp: int, tp: int) -> tuple[models.GPT, int]:
+    """torch's 2D recipe: TP over the inner dimension of a (dp, tp) ``init_device_mesh``, then FSDP2's
+    ``fully_shard`` over the outer one, per Block and at the root. Returns the model and this rank's dp index."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist.device().type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = torch_tensor_parallel_gpt(model, tp, mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh["dp"].get_local_rank()
 
 
 def torch_tp_train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
