@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import data, estimate, models, plot
+from minifsdp import data, dist, estimate, models, plot
 from minifsdp.checkpoint import (CheckpointImpl, apply_activation_checkpointing, checkpoint,
                                  checkpoint_wrapper, create_selective_checkpoint_contexts)
 from minifsdp.estimate import format_bytes
@@ -478,12 +478,14 @@ fig = show_step(k=4, mode="full")
 #     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
 #     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 #
-# The trainer does exactly that with `--checkpoint full|selective`. Two ranks, gpt-mini:
+# The trainer does exactly that with `--checkpoint full|selective`. Two ranks (one per GPU
+# on a GPU VM; `dist.lab_world_size` runs fewer where there are fewer GPUs), gpt-mini:
 
 # %%
+N2 = dist.lab_world_size(2)
 runs = {}
 for mode in ("none", "full", "selective"):
-    runs[mode] = train(TrainConfig(strategy="fsdp", world_size=2, model="gpt-mini", steps=2, batch_size=8,
+    runs[mode] = train(TrainConfig(strategy="fsdp", world_size=N2, model="gpt-mini", steps=2, batch_size=8,
                                    checkpoint=mode, quiet=True, write_plots=False,
                                    out=f"runs/lab06/fsdp-{mode}"))
 for mode, m in runs.items():
