@@ -121,7 +121,7 @@ class PipelineParallel(nn.Module):
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": losses} if last else {}
         self.schedule.step(*args, **kwargs, return_outputs=False)
-        loss = torch.stack(losses).mean() if last else torch.zeros((), device=x.device)
+        loss = torch.stack(losses).mean() if last else x.new_zeros((), dtype=torch.float32)
         if self.pp > 1:
             # Bookkeeping (what to print), not training traffic: straight to torch.distributed.
             tdist.broadcast(loss, src=self._last_rank, group=self.pp_group)

@@ -101,7 +101,9 @@ class PipelineStage:
             raise ValueError(f"checkpoint={checkpoint!r}; choose one of: {', '.join(CHECKPOINT_MODES)}")
         self.submod = submodule
         self.stage_index, self.num_stages = stage_index, num_stages
-        self.device = torch.device(device)
+        # Keep the caller's device object (dist.device()): a fresh torch.device("cpu") compares equal but
+        # is not the one minifsdp.fake_gpu tells GPU tensors by.
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self.group = group
         self.group_size, self.group_rank = dist.world_size(group), dist.rank(group)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
@@ -281,8 +283,7 @@ class PipelineStage:
                            tag=self._tag(_GRAD, self.stage_index, mb))]
 
     def recv_grad(self, mb: int) -> None:
-        out = self._saved[mb].output
-        buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        buf = torch.empty_like(self._saved[mb].output)
         comm.recv(buf, self.rank_of(self.stage_index + 1), group=self.group,
                   tag=self._tag(_GRAD, self.stage_index + 1, mb))
         self.grad_inbox[mb] = buf

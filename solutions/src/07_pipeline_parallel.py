@@ -245,7 +245,7 @@ def my_run_plan(stage_module, actions, x, y, m):
         # HINT: for activations, rank + 1 for gradients); F keeps its input and output (the loss on the
         # HINT: last rank); B pops the output and runs backward; SEND_B sends the input's .grad upstream.
         if a.kind == "RECV_F":
-            inputs[i] = torch.empty(shape, device=x.device)
+            inputs[i] = torch.empty(shape, device=dist.device())
             comm.recv(inputs[i], rank - 1)
             inputs[i].requires_grad_()
         elif a.kind == "F":
@@ -257,7 +257,7 @@ def my_run_plan(stage_module, actions, x, y, m):
         elif a.kind == "SEND_F":
             sends.append(comm.isend(outputs[i].detach(), rank + 1))
         elif a.kind == "RECV_B":
-            grads[i] = torch.empty(shape, device=x.device)
+            grads[i] = torch.empty(shape, device=dist.device())
             comm.recv(grads[i], rank + 1)
         elif a.kind == "B":
             outputs.pop(i).backward(grads.pop(i) if rank < p - 1 else None)
