@@ -170,6 +170,20 @@ def _checked(name: str, fn: Any) -> Any:
     return wrapper
 
 
+def _module_to(original: Any) -> Any:
+    """``Module.to(dist.device())`` re-parses the device (a new object), so it is recognised here."""
+    @functools.wraps(original)
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if any(_is_fake(a) for a in args) or _is_fake(kwargs.get("device")):
+            for t in [*self.parameters(), *self.buffers()]:
+                if t not in _marks:
+                    t.data = t.data.clone()  # moved: a copy, as on a GPU
+                    _marks.add(t)
+        return out
+    return to
+
+
 @contextlib.contextmanager
 def pretend_gpu() -> Iterator[None]:
     """Run the body as if on a GPU: ``dist.device()`` is ``FAKE_GPU`` and collectives check their tensors."""
@@ -179,10 +193,13 @@ def pretend_gpu() -> Iterator[None]:
     for n, fn in patched.items():
         if not getattr(fn, "_minifsdp_checked", False):
             setattr(tdist, n, _checked(n, fn))
+    module_to = torch.nn.Module.to
+    torch.nn.Module.to = _module_to(module_to)  # type: ignore[method-assign]
     try:
         with _FunctionMode(), _DispatchMode():
             yield
     finally:
+        torch.nn.Module.to = module_to  # type: ignore[method-assign]
         for n, fn in patched.items():
             setattr(tdist, n, fn)
         dist._device_override = previous

@@ -21,6 +21,8 @@ def _good():
     x = torch.ones(3, device=dist.device())
     comm.all_reduce(x)
     model = models.build_model("gpt-tiny", seed=0).to(dist.device())
+    for p in model.parameters():  # Module.to(dist.device()) moved them
+        comm.broadcast(p.detach(), src=0)
     xb, yb = (t.to(dist.device()) for t in data.get_batch(0, 4, 16, rank=dist.rank(), world_size=2))
     models.lm_loss(model(xb), yb).backward()
     for p in model.parameters():  # gradients made by autograd from device tensors are on the device
