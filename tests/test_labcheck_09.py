@@ -21,13 +21,16 @@ LEAST_MEMORY = (("if p.fits(cap_bytes) and (best is None or moved < best[0]):\n"
                  "                best = (p.total_memory, {\"dp\": dp, \"tp\": tp, \"zero_stage\": zero})"),)
 NO_FILTER = (('sorted((r for r in rows if r["peak"] <= cap_bytes), key=lambda r: r["bytes"])',
               'sorted(rows, key=lambda r: r["bytes"])'),)
+BYTES_ONCE = (("return 2 * (activations + loss)", "return activations + loss"),)
+NO_LOSS = (("return 2 * (activations + loss)", "return 2 * activations"),)
+TP_ROW = (661504, 2, 32, 256)   # gpt-tiny, tp=2, 8 x 32 tokens: what the tracer records (test_tensor_parallel_train)
 ROWS = [{"name": "ddp", "peak": 5, "bytes": 3}, {"name": "fsdp", "peak": 2, "bytes": 4},
         {"name": "tp", "peak": 3, "bytes": 2}, {"name": "single", "peak": 9, "bytes": 0}]
 ARGS = ("gpt-mini", 8, 64, 4, 28 * 2**20)
 
 
 def test_mistakes_still_match_the_solution():
-    for edits in (DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY, NO_FILTER):
+    for edits in (BYTES_ONCE, NO_LOSS, DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY, NO_FILTER):
         edits_apply(L09, edits)
 
 
@@ -38,8 +41,9 @@ def test_solution_passes_every_check(capsys):
     lab09.fsdp_tp(ns["fsdp_tp"])
     lab09.planned_layout(ns["choose_layout"], *ARGS)
     lab09.ranking(ns["rank_runs"], ROWS, 4)
+    lab09.tp_bytes(ns["tp_bytes_per_step"], *TP_ROW)
     out = capsys.readouterr().out
-    assert out.count("✅") == 5 and "predicted" in out
+    assert out.count("✅") == 6 and "predicted" in out
 
 
 def test_blank_lab_fails_every_check():
@@ -49,6 +53,7 @@ def test_blank_lab_fails_every_check():
     fails(lab09.fsdp_tp, ns["fsdp_tp"], words="not written yet")
     fails(lab09.planned_layout, ns["choose_layout"], *ARGS, words="not written yet")
     fails(lab09.ranking, ns["rank_runs"], ROWS, 4, words="not written yet")
+    fails(lab09.tp_bytes, ns["tp_bytes_per_step"], *TP_ROW, words="not written yet")
 
 
 def test_mistakes_fail():
@@ -58,3 +63,5 @@ def test_mistakes_fail():
     fails(lab09.planned_layout, load(L09, edits=IGNORE_CAP)["choose_layout"], *ARGS, words="does not fit")
     fails(lab09.planned_layout, load(L09, edits=LEAST_MEMORY)["choose_layout"], *ARGS, words="fewer bytes")
     fails(lab09.ranking, load(L09, edits=NO_FILTER)["rank_runs"], ROWS, 4, words="under the cap")
+    fails(lab09.tp_bytes, load(L09, edits=BYTES_ONCE)["tp_bytes_per_step"], *TP_ROW, words="moves 2S")
+    fails(lab09.tp_bytes, load(L09, edits=NO_LOSS)["tp_bytes_per_step"], *TP_ROW, words="loss all-reduces too")

@@ -191,3 +191,22 @@ def fsdp_tp(build_fn: Callable[[Any, DeviceMesh], Any], steps: int = 3) -> None:
         failed(what, f"no {', '.join(sorted(missing))} recorded: TP all-reduces, FSDP all-gathers and reduce-scatters")
     passed(what, f"4 ranks (dp 2 x tp 2), {steps} AdamW steps: losses equal one process's to 1e-5; "
                  "FSDP's all-gather / reduce-scatter and TP's all-reduce both ran")
+
+
+def tp_bytes(bytes_fn: Callable[[int, int, int], int], measured: int, n_layer: int, hidden: int,
+             tokens: int) -> None:
+    """``bytes_fn(n_layer, hidden, tokens)``: the bytes the tp run's all-reduces moved per step, to the byte."""
+    what = "TP bytes per step"
+    got = call(what, bytes_fn, n_layer, hidden, tokens)
+    if got == measured:
+        passed(what, figures("bytes", int(got), int(measured), unit="B") + " (measured by the tracer)")
+        return
+    blocks, ends, loss = 4 * n_layer * tokens * hidden * 4, 2 * tokens * hidden * 4, 3 * tokens * 4
+    if got * 2 == measured or got == (blocks + ends + loss):
+        failed(what, figures("bytes", got, int(measured), unit="B") + ": an all-reduce of S bytes moves 2S "
+                     "(reduce-scatter then all-gather), the volume comm records")
+    if got == 2 * (blocks + ends):
+        failed(what, figures("bytes", got, int(measured), unit="B") + ": the vocab-parallel loss all-reduces "
+                     "too: a max per token, then two sums per token")
+    failed(what, figures("bytes", got, int(measured), unit="B") + ": per block 4 all-reduces of tokens x hidden "
+                 "fp32 values, plus the embedding's and the head's, plus the loss's per-token reductions")

@@ -20,7 +20,7 @@
 # (runs of 2 and 4 ranks), the same on a GPU VM.
 #
 # **Exercises**: 1. mesh coordinates · 2. mesh groups · 3. FSDP × TP from the mesh ·
-# 4. choose a layout under a cap · 5. which to choose.
+# 4. TP's bytes by hand · 5. choose a layout under a cap · 6. which to choose.
 #
 # **Symbols**: dp, pp, tp = ranks along each mesh dimension; Ψ = parameters; B = batch,
 # T = sequence length.
@@ -150,12 +150,37 @@ print(f"{'run':>8} {'ranks':>5} {'peak/rank':>11} {'moved/step':>11} {'step ms':
 for r in rows:
     print(f"{r['name']:>8} {r['ranks']:>5} {format_bytes(r['peak']):>11} {format_bytes(r['bytes']):>11} "
           f"{r['step_ms']:8.1f}  {r['same_loss']}")
+measured = {r["name"]: r for r in rows}
 
 # %% [markdown]
 # On 2 CPU cores the step times say little (the ranks share the cores); on GPUs, compare
 # bytes per step with the link: TP's all-reduces are in every layer's critical path.
 #
-# ## 5. Exercise 4: a layout for a model that does not fit
+# ## 5. Exercise 4: TP's bytes, by hand
+#
+# Explain the `tp` row to the byte. Per block, attention and MLP each all-reduce their
+# output forward (g) and their input's gradient backward (f); the embedding's g adds one
+# forward, the head's f one backward; the vocab-parallel loss all-reduces a max per token,
+# then two sums per token (lab 08). All fp32; `comm` records an all-reduce of S bytes as
+# 2S (a reduce-scatter then an all-gather). gpt-tiny: L = 2 blocks, d = 32, and the tp run
+# sees 8 × 32 tokens per step.
+
+# %%
+def tp_bytes_per_step(n_layer, hidden, tokens):
+    """Bytes the tp run's all-reduces move per step (comm's volume), from the model's shape."""
+    # BEGIN SOLUTION
+    # HINT: count the all-reduces of tokens x hidden values and of per-token values; each moves twice its size
+    activations = (4 * n_layer + 2) * tokens * hidden * 4
+    loss = 3 * tokens * 4
+    return 2 * (activations + loss)
+    # END SOLUTION
+
+# %%
+# CHECK: your bytes equal what the tracer measured in the tp run above
+check.tp_bytes(tp_bytes_per_step, measured["tp"]["bytes"], 2, 32, 8 * 32)
+
+# %% [markdown]
+# ## 6. Exercise 5: a layout for a model that does not fit
 #
 # `gpt-mini` (3.3 M parameters), B = 8, T = 64, AdamW in fp32 needs about 73 MiB on one
 # device. Our devices hold 28 MiB each, and there are 4. The planner prices a layout
@@ -196,7 +221,7 @@ def choose_layout(cap_bytes, devices):
 check.planned_layout(choose_layout, MODEL, B, T, DEVICES, CAP)
 
 # %% [markdown]
-# ## 6. Exercise 5: which to choose
+# ## 7. Exercise 6: which to choose
 #
 # Back to the table of section 4. Given a memory cap per device, which runs would you
 # keep, and in which order? Return the names of the runs whose measured peak fits, fewest
