@@ -26,8 +26,10 @@ Under a **pretend GPU** the forgotten device shows on the CPU too.
 Why this is sound for what it checks: a tensor is remembered only if it would
 be on the GPU, and every tensor reaching a Python-level collective is checked,
 so a run that passes would not have handed a CPU tensor to NCCL through those
-calls. What it does not see: tensors that C++ code makes and communicates by
-itself (torch's own DDP reducer). It is lenient where CUDA is strict (an op
+calls. What it does not see: collectives called by torch's own code (its
+FSDP and DDP, which the labs run beside ours for comparison, derive their
+buffers' device from the module's parameters, ``p.device``, and the C++ DDP
+reducer communicates by itself). It is lenient where CUDA is strict (an op
 mixing a GPU and a CPU tensor, which CUDA rejects unless the CPU one is a 0-d
 scalar, gives a remembered output), and strict where it cannot know: a
 factory given ``device=t.device`` of a remembered ``t`` (a fresh ``cpu``
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import weakref
 from typing import Any, Iterator
 
@@ -159,6 +162,9 @@ def _describe(t: torch.Tensor) -> str:
 def _checked(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+        if "/torch/" in caller:  # torch's own FSDP/DDP place their buffers from the module's device: not ours
+            return fn(*args, **kwargs)
         for t in _tensors((args, kwargs)):
             if t not in _marks:
                 raise DeviceDisciplineError(
