@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import comm, models, trace
+from .. import comm, dist, models, trace
 from .. import tensor_parallel as tpl
 from ..tensor_parallel.layers import _local_slice
 from .verdict import call, failed, figures, is_library, passed, run, uses
@@ -49,8 +49,9 @@ def _f_and_g_worker(f_cls: Any, g_cls: Any) -> dict[str, Any]:
     tpl.initialize_model_parallel(TP)
     r = tpl.get_model_parallel_rank()
     gen = torch.Generator().manual_seed(80)
-    xs = [torch.randn(3, 4, generator=gen) for _ in range(TP)]   # every rank's own tensor
-    ws = [torch.randn(3, 4, generator=gen) for _ in range(TP)]
+    dev = dist.device()
+    xs = [torch.randn(3, 4, generator=gen).to(dev) for _ in range(TP)]   # every rank's own tensor
+    ws = [torch.randn(3, 4, generator=gen).to(dev) for _ in range(TP)]
     out: dict[str, Any] = {}
     for name, cls in (("f", f_cls), ("g", g_cls)):
         x = xs[r].clone().requires_grad_()
@@ -103,20 +104,21 @@ def f_and_g(f_cls: Any, g_cls: Any) -> None:
 def _layer_worker(kind: str, cls: Any) -> dict[str, Any]:
     tpl.initialize_model_parallel(TP)
     r = tpl.get_model_parallel_rank()
-    block = models.build_model("gpt-tiny", seed=8).blocks[0]
+    dev = dist.device()
+    block = models.build_model("gpt-tiny", seed=8).blocks[0].to(dev)
     full = block.mlp if kind == "mlp" else block.attn
     first = full.c_fc if kind == "mlp" else full.c_attn
     with torch.no_grad():  # GPT-2 starts its biases at 0, which would hide a bias added on every rank
         for bias in (first.bias, full.c_proj.bias):
-            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(bias.numel())))
+            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(bias.numel())).to(dev))
     mine = cls(full)
-    x = torch.randn(B, T, first.in_features, generator=torch.Generator().manual_seed(81))
+    x = torch.randn(B, T, first.in_features, generator=torch.Generator().manual_seed(81)).to(dev)
     xf, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     yf = full(xf)
     fwd, bwd = trace.Tracer(), trace.Tracer()
     with fwd:
         yp = mine(xp)
-    up = torch.randn(yf.shape, generator=torch.Generator().manual_seed(82))
+    up = torch.randn(yf.shape, generator=torch.Generator().manual_seed(82)).to(dev)
     yf.backward(up)
     with bwd:
         yp.backward(up)
@@ -204,8 +206,8 @@ def _ce_worker(loss_fn: Any, vocab: int) -> dict[str, Any]:
     tpl.initialize_model_parallel(TP)
     r = tpl.get_model_parallel_rank()
     gen = torch.Generator().manual_seed(83)
-    logits = torch.randn(B, T, vocab, generator=gen) * 4
-    target = torch.randint(0, vocab, (B, T), generator=gen)
+    logits = (torch.randn(B, T, vocab, generator=gen) * 4).to(dist.device())
+    target = torch.randint(0, vocab, (B, T), generator=gen).to(dist.device())
     local = logits.chunk(TP, -1)[r].clone()
     before = local.clone()
     tracer = trace.Tracer()
@@ -258,9 +260,10 @@ def _sp_worker(gather_cls: Any, rs_cls: Any) -> dict[str, Any]:
     r = tpl.get_model_parallel_rank()
     d = _config().n_embd
     gen = torch.Generator().manual_seed(84)
-    shards = [torch.randn(B, T // TP, d, generator=gen) for _ in range(TP)]     # every rank's positions
-    partials = [torch.randn(B, T, d, generator=gen) for _ in range(TP)]         # every rank's partial sums
-    ups = [torch.randn(B, T, d, generator=gen) for _ in range(TP)]              # rank-specific upstream grads
+    dev = dist.device()
+    shards = [torch.randn(B, T // TP, d, generator=gen).to(dev) for _ in range(TP)]  # every rank's positions
+    partials = [torch.randn(B, T, d, generator=gen).to(dev) for _ in range(TP)]      # every rank's partial sums
+    ups = [torch.randn(B, T, d, generator=gen).to(dev) for _ in range(TP)]           # rank-specific upstream grads
     out: dict[str, Any] = {}
     for name, cls, x, up in (("gather", gather_cls, shards[r], ups[r]),
                              ("reduce_scatter", rs_cls, partials[r], ups[r][:, :T // TP])):

@@ -139,18 +139,19 @@ def ranking(rank_fn: Callable[[list, float], list], rows: list[dict[str, Any]], 
 def _fsdp_tp_worker(build_fn: Callable, steps: int) -> dict[str, Any]:
     import torch
 
-    from .. import data, models, trace
+    from .. import data, dist, models, trace
     from ..fsdp import FullyShardedDataParallel
     from ..tensor_parallel import ParallelGPT
 
     mesh = DeviceMesh(dp=2, pp=1, tp=2)
-    model = build_fn(models.build_model("gpt-tiny", seed=0), mesh)
+    dev = dist.device()
+    model = build_fn(models.build_model("gpt-tiny", seed=0).to(dev), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     tracer, losses = trace.Tracer(), []
     with tracer:
         for step in range(steps):
             x, y = data.get_batch(step, 8, 32, seed=0, rank=mesh.get_local_rank("dp"), world_size=2)
-            loss = ParallelGPT.loss(model(x), y)
+            loss = ParallelGPT.loss(model(x.to(dev)), y.to(dev))
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from minifsdp import comm, launch, models, planner, plot, trace
+from minifsdp import comm, dist, launch, models, planner, plot, trace
 from minifsdp import tensor_parallel as tpl
 from minifsdp.estimate import format_bytes
 from minifsdp.labcheck import lab08 as check
@@ -151,8 +151,9 @@ class ParallelMLP(torch.nn.Module):
         super().__init__()
         r, tp = get_model_parallel_rank(), get_model_parallel_world_size()
         d, hidden = full.c_fc.in_features, full.c_fc.out_features
-        self.c_fc = torch.nn.Linear(d, hidden // tp)      # this rank's hidden units
-        self.c_proj = torch.nn.Linear(hidden // tp, d)    # ... and their columns of the projection
+        device = full.c_fc.weight.device
+        self.c_fc = torch.nn.Linear(d, hidden // tp, device=device)      # this rank's hidden units
+        self.c_proj = torch.nn.Linear(hidden // tp, d, device=device)    # ... and their columns of the projection
         with torch.no_grad():
             # BEGIN SOLUTION
             # HINT: one range of hidden units: rows of c_fc (weight and bias), columns of c_proj, c_proj's bias whole
@@ -213,8 +214,8 @@ class ParallelAttention(torch.nn.Module):
         r, tp = get_model_parallel_rank(), get_model_parallel_world_size()
         d = full.n_embd
         self.n_head, self.head_dim = full.n_head // tp, d // full.n_head
-        self.c_attn = torch.nn.Linear(d, 3 * d // tp)
-        self.c_proj = torch.nn.Linear(d // tp, d)
+        self.c_attn = torch.nn.Linear(d, 3 * d // tp, device=full.c_attn.weight.device)
+        self.c_proj = torch.nn.Linear(d // tp, d, device=full.c_attn.weight.device)
         with torch.no_grad():
             self.c_attn.weight.copy_(shard_qkv(full.c_attn.weight, r, tp))
             self.c_attn.bias.copy_(shard_qkv(full.c_attn.bias, r, tp))
@@ -249,9 +250,10 @@ check.parallel_attention(ParallelAttention)
 # %%
 def block_vs_full(tp, batch=2, seq=8):
     tpl.initialize_model_parallel(tp)
-    full = models.build_model("gpt-tiny", seed=3).blocks[0]
+    full = models.build_model("gpt-tiny", seed=3).blocks[0].to(dist.device())
     block = tpl.ParallelBlock(full)
     x = torch.randn(batch, seq, full.ln_1.normalized_shape[0], generator=torch.Generator().manual_seed(4))
+    x = x.to(dist.device())
     tracer = trace.Tracer()
     with tracer:
         with trace.span("forward"):
@@ -397,9 +399,9 @@ B_SP, T_SP = 4, 64
 
 def activations_after_forward(tp, sequence_parallel):
     tpl.initialize_model_parallel(tp)
-    full = models.build_model("gpt-mini", seed=5)
+    full = models.build_model("gpt-mini", seed=5).to(dist.device())
     model = tpl.tensor_parallel_gpt(full, sequence_parallel) if tp > 1 else full
-    x = torch.randint(0, 256, (B_SP, T_SP), generator=torch.Generator().manual_seed(6))
+    x = torch.randint(0, 256, (B_SP, T_SP), generator=torch.Generator().manual_seed(6)).to(dist.device())
     tracker = MemoryTracker()
     tracker.track_model(model)
     tracer = trace.Tracer()
