@@ -159,11 +159,21 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
 
 
+_PASS_THROUGH = ("minifsdp/fake_gpu.py", "minifsdp/torch_reference.py")  # wrappers that only count or check
+
+
+def _called_by_torch() -> bool:
+    """Whether the code calling the collective (past counting wrappers) is torch's own."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith(_PASS_THROUGH):
+        frame = frame.f_back
+    return frame is not None and "/torch/" in frame.f_code.co_filename.replace("\\", "/")
+
+
 def _checked(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
-        if "/torch/" in caller:  # torch's own FSDP/DDP place their buffers from the module's device: not ours
+        if _called_by_torch():  # torch's own FSDP/DDP place their buffers from the module's device: not ours
             return fn(*args, **kwargs)
         for t in _tensors((args, kwargs)):
             if t not in _marks:
