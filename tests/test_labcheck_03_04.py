@@ -171,7 +171,8 @@ def blank04() -> dict:
 
 
 def forward_args(ns: dict) -> tuple:
-    return ns["shard_model"], ns["gather"], ns["pre_forward"], ns["post_forward"], ns["install_hooks"]
+    return tuple(ns[k] for k in ("shard_model", "free", "allocate", "is_gathered", "gather", "pre_forward",
+                                 "post_forward", "install_hooks"))
 
 
 def test_lab04_checks_pass_on_the_solution(sol04, capsys):
@@ -198,7 +199,7 @@ def test_lab04_shard_flat_mistakes():
 
 
 def test_lab04_forward_mistakes():
-    never_freed = lab04_fns(edits={"    unit.free()\n    if output.requires_grad:": "    if output.requires_grad:"})
+    never_freed = lab04_fns(edits={"    free(unit)\n    if output.requires_grad:": "    if output.requires_grad:"})
     fails(lambda: lab04.fsdp_forward(*forward_args(never_freed), world_sizes=(2,)), "still hold", "frees")
     unfilled = lab04_fns(edits={"    comm.all_gather_into_tensor(unit.full.data, unit.shard.detach())\n": ""})
     fails(lambda: lab04.fsdp_forward(*forward_args(unfilled), world_sizes=(2,)), "logits differ")
@@ -206,11 +207,23 @@ def test_lab04_forward_mistakes():
     fails(lambda: lab04.fsdp_forward(*forward_args(no_root), world_sizes=(2,)), "expected", "root")
 
 
+def test_lab04_storage_mistakes():
+    # the new piece: free / allocate resize the storage under unit.full (checked in-process, before any launch)
+    elements = lab04_fns(edits={"resize_(unit.padded_numel * unit.full.element_size())": "resize_(unit.padded_numel)"})
+    fails(lambda: lab04.fsdp_forward(*forward_args(elements)), "bytes, not numbers")
+    replaced = lab04_fns(edits={"    unit.full.untyped_storage().resize_(0)\n":
+                                "    unit.full = torch.empty(0, device=unit.full.device, requires_grad=True)\n"})
+    fails(lambda: lab04.fsdp_forward(*forward_args(replaced)), "replaced unit.full", "same tensor")
+    unnamed = lab04_fns(edits={'        tracker.register(unit.full, "unsharded_params")\n': "        pass\n"})
+    fails(lambda: lab04.fsdp_cycle(unnamed["shard_model"], unnamed["pre_backward"], unnamed["post_backward"],
+                                   world_sizes=(2,)), "unsharded_params")
+
+
 def test_lab04_backward_mistakes():
     no_average = lab04_fns(edits={"grad.div_(unit.world)": "grad"})
     fails(lambda: lab04.fsdp_cycle(no_average["shard_model"], no_average["pre_backward"],
                                    no_average["post_backward"], world_sizes=(2,)), "divide by the world size")
-    not_freed = lab04_fns(edits={"        unit.shard.grad += chunk\n    unit.free()\n": "        unit.shard.grad += chunk\n"})
+    not_freed = lab04_fns(edits={"        unit.shard.grad += chunk\n    free(unit)\n": "        unit.shard.grad += chunk\n"})
     fails(lambda: lab04.fsdp_cycle(not_freed["shard_model"], not_freed["pre_backward"],
                                    not_freed["post_backward"], world_sizes=(2,)), "after backward", "frees")
 

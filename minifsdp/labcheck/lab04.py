@@ -10,7 +10,7 @@ one process and with the library, and prints one verdict::
 
     from minifsdp.labcheck import lab04 as check
     check.shard_flat(shard_flat)
-    check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks)
+    check.fsdp_forward(shard_model, free, allocate, is_gathered, gather, pre_forward, post_forward, install_hooks)
     check.fsdp_cycle(shard_model, pre_backward, post_backward)
 
 Targets (Ψ = the number of parameters, fp32): one process's losses and parameters
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -126,6 +127,11 @@ def _single(model_name: str = MODEL, steps: int = STEPS) -> dict:
 
 
 # -- the worker: the learner's units, or the library's FSDP ------------------------------------------------
+def _holds_memory(unit: Any) -> bool:
+    """Measured here, not asked of the learner's is_gathered: bytes behind the unit's full tensor."""
+    return unit.full.untyped_storage().nbytes() > 0
+
+
 def _unit_fqns(model: torch.nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
@@ -159,7 +165,7 @@ def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps:
             with trace.span("step", step=0):
                 logits = net(x[rows].to(device))
             out["logits"] = logits.detach().cpu()
-            out["gathered_after"] = [u.name for u in units if u.is_gathered()]
+            out["gathered_after"] = [u.name for u in units if _holds_memory(u)]
             out["bytes"] = tracer.trace.bytes_by_op(within="step")
             return out
         for step in range(steps):
@@ -179,7 +185,7 @@ def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps:
                 if mode == "learner" and step == 0:
                     out["grads0"] = [None if u.shard.grad is None else u.shard.grad.detach().cpu().clone()
                                      for u in units]
-                    out["gathered_after"] = [u.name for u in units if u.is_gathered()]
+                    out["gathered_after"] = [u.name for u in units if _holds_memory(u)]
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             total = loss.detach().reshape(1).clone()
@@ -234,15 +240,42 @@ def _run_units(what: str, n: int, res: list[dict], model_name: str = MODEL) -> N
                          "each rank keeps an equal chunk of the zero-padded flat vector (shard_flat)")
 
 
-def fsdp_forward(shard_model: Callable, gather: Callable, pre_forward: Callable, post_forward: Callable,
-                 install_hooks: Callable, world_sizes: tuple[int, ...] | None = None) -> None:
-    """Forward only, at 2 and 3 ranks: one process's logits, every unit freed after it, Ψ gathered once."""
+def _storage_cycle(what: str, free: Callable, allocate: Callable, is_gathered: Callable) -> None:
+    """free / allocate / is_gathered in this process, on a stand-in unit of 10 fp32 numbers."""
+    full = torch.empty(10, device=dist.device(), requires_grad=True)
+    unit = SimpleNamespace(name="test", full=full, padded_numel=10)
+    nbytes = lambda: unit.full.untyped_storage().nbytes()   # noqa: E731
+    free(unit)
+    if unit.full is not full:
+        failed(what, "free replaced unit.full by another tensor: keep the same tensor object (the views "
+                     "autograd saved point into it) and release only the memory under it")
+    if nbytes() != 0:
+        failed(what, f"after free, {nbytes()} bytes are still behind unit.full: release its whole storage")
+    if is_gathered(unit) is not False:
+        failed(what, f"is_gathered said {is_gathered(unit)!r} right after free: False when no memory is behind "
+                     "unit.full")
+    allocate(unit)
+    if unit.full is not full:
+        failed(what, "allocate replaced unit.full by another tensor: give memory back to the same tensor")
+    if nbytes() != 10 * FP32:
+        hint = (": the storage's size counts bytes, not numbers" if nbytes() == 10 else "")
+        failed(what, f"allocate on a unit of 10 fp32 numbers gave unit.full {nbytes()} bytes, "
+                     f"expected {10 * FP32}{hint}")
+    if is_gathered(unit) is not True:
+        failed(what, f"is_gathered said {is_gathered(unit)!r} right after allocate: True when memory is behind "
+                     "unit.full")
+
+
+def fsdp_forward(shard_model: Callable, free: Callable, allocate: Callable, is_gathered: Callable,
+                 gather: Callable, pre_forward: Callable, post_forward: Callable, install_hooks: Callable,
+                 world_sizes: tuple[int, ...] | None = None) -> None:
+    """free/allocate in this process; forward at 2 and 3 ranks: one process's logits, every unit freed, Ψ once."""
     what = "FSDP forward"
-    fns = dict(shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
-               install_hooks=install_hooks)
-    blank(what, shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
-          install_hooks=install_hooks)
+    fns = dict(free=free, allocate=allocate, is_gathered=is_gathered, shard_model=shard_model, gather=gather,
+               pre_forward=pre_forward, post_forward=post_forward, install_hooks=install_hooks)
+    blank(what, **fns)
     refuse_library(what, fns, _library())
+    _storage_cycle(what, free, allocate, is_gathered)
     ref = _single(steps=0)
     n_params = models.count_parameters(models.build_model(MODEL, device="meta"))
     world_sizes = world_sizes or _world_sizes(2, 3)
@@ -334,6 +367,9 @@ def fsdp_cycle(shard_model: Callable, pre_backward: Callable, post_backward: Cal
     for mode in ("FULL_SHARD", "SHARD_GRAD_OP"):
         mem[mode] = [r[mode] for r in by_rank]
     mine, lib = max(r["peak"] for r in mem["learner"]), max(r["peak"] for r in mem["FULL_SHARD"])
+    if not all(r["peak_by_category"].get("unsharded_params", 0) > 0 for r in mem["learner"]):
+        failed(what, "the memory tracker saw no 'unsharded_params' bytes in your step: allocate registers "
+                     "unit.full with each active tracker under that category")
     results[what] = {"memory": mem, "world_size": n, "bytes": got, "units": res[0]["units"]}
     if abs(mine / lib - 1) > PEAK_MARGIN:
         failed(what, f"peak of a step on {MEM_MODEL}, {n} ranks: yours {mine / 2**20:.2f} MiB, minifsdp FSDP "

@@ -124,9 +124,10 @@ check.shard_flat(shard_flat)
 # the padded size where the unit is gathered. The original parameters leave their
 # modules.
 #
-# `full` is created once and **never replaced**: its memory is released with
-# `full.untyped_storage().resize_(0)` (`unit.free()`) and given back with
-# `unit.allocate()`. Why: in forward, autograd saves the weights a layer used (a
+# `full` is created once and **never replaced**: exercise 2 releases its memory
+# (`free(unit)`) and gives it back (`allocate(unit)`) by resizing its *storage*, the
+# memory under the tensor, which `tensor.untyped_storage()` returns and
+# `.resize_(nbytes)` resizes in place. Why: in forward, autograd saves the weights a layer used (a
 # `Linear` keeps its weight to compute its input's gradient) — views of `full`. If
 # `full` were a new tensor each time, backward would find the saved views pointing
 # at freed memory; with the same storage refilled before backward, they see the
@@ -150,21 +151,9 @@ class Unit:
         device = dist.device()
         self.shard = nn.Parameter(shard_flat([p.to(device) for _, _, p in params], self.rank, self.world))
         self.full = torch.empty(self.padded_numel, device=device, requires_grad=True)
-        self.free()                          # at rest: no memory behind `full`
+        free(self)                           # at rest: no memory behind `full` (your free, exercise 2)
         for m, attr, _ in params:            # the original parameters leave their modules
             del m._parameters[attr]
-
-    def is_gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def allocate(self) -> None:
-        """Give `full` its memory back (contents undefined until you fill it)."""
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        for tracker in memory.active_trackers():      # name these bytes in memory plots
-            tracker.register(self.full, "unsharded_params")
-
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
 
 
 # %% [markdown]
@@ -181,6 +170,11 @@ class Unit:
 #
 # Write:
 #
+# * `free(unit)`, `allocate(unit)`, `is_gathered(unit)`: release the memory behind
+#   `unit.full` (the tensor object stays), give it back (`unit.padded_numel` numbers
+#   of `unit.full`'s dtype; then, so memory plots name these bytes, register `unit.full`
+#   as `"unsharded_params"` with every tracker in `memory.active_trackers()`), and say
+#   whether it holds memory now.
 # * `shard_model(model, unit_types)`: cut the model into units — this is what a wrap
 #   policy decides. Every submodule of one of `unit_types` (here each `Block`) is a
 #   unit, taken innermost first, and the root (`model`, named `"root"`) takes every
@@ -205,6 +199,32 @@ class Unit:
 # (plus padding) all-gathered, once.
 
 # %%
+def free(unit: Unit) -> None:
+    """Release the memory behind `unit.full`; the tensor object stays (autograd's saved views point into it)."""
+    # BEGIN SOLUTION
+    # HINT: resize the tensor's untyped storage in place, to no bytes at all.
+    unit.full.untyped_storage().resize_(0)
+    # END SOLUTION
+
+
+def allocate(unit: Unit) -> None:
+    """Give `unit.full` memory for its padded size again (contents undefined until filled); name it for trackers."""
+    # BEGIN SOLUTION
+    # HINT: the same storage, resized in place: its size is counted in bytes (element_size() bytes per number); then each active tracker's register(tensor, category).
+    unit.full.untyped_storage().resize_(unit.padded_numel * unit.full.element_size())
+    for tracker in memory.active_trackers():
+        tracker.register(unit.full, "unsharded_params")
+    # END SOLUTION
+
+
+def is_gathered(unit: Unit) -> bool:
+    """Does `unit.full` hold memory now?"""
+    # BEGIN SOLUTION
+    # HINT: the storage's size in bytes.
+    return unit.full.untyped_storage().nbytes() > 0
+    # END SOLUTION
+
+
 def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
     """Each submodule of `unit_types` becomes a unit (innermost first), the root takes the rest."""
     # BEGIN SOLUTION
@@ -225,10 +245,10 @@ def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
 def gather(unit: Unit) -> None:
     """Allocate `unit.full` and all-gather every rank's shard into it (nothing if already gathered)."""
     # BEGIN SOLUTION
-    # HINT: unit.is_gathered(), unit.allocate(); the all-gather's output is the unit's full tensor (through .data), its input this rank's shard (detached).
-    if unit.is_gathered():
+    # HINT: is_gathered(unit), allocate(unit); the all-gather's output is the unit's full tensor (through .data), its input this rank's shard (detached).
+    if is_gathered(unit):
         return
-    unit.allocate()
+    allocate(unit)
     comm.all_gather_into_tensor(unit.full.data, unit.shard.detach())
     # END SOLUTION
 
@@ -247,8 +267,8 @@ def pre_forward(unit: Unit) -> None:
 def post_forward(unit: Unit, output: torch.Tensor) -> None:
     """After the unit's forward: free its full parameters; make backward call pre_backward(unit) first."""
     # BEGIN SOLUTION
-    # HINT: unit.free(); a hook on the output tensor runs when its gradient is ready, which is just before this unit's backward (only if the output requires grad).
-    unit.free()
+    # HINT: free(unit); a hook on the output tensor runs when its gradient is ready, which is just before this unit's backward (only if the output requires grad).
+    free(unit)
     if output.requires_grad:
         output.register_hook(lambda grad: pre_backward(unit))
     # END SOLUTION
@@ -273,7 +293,7 @@ def post_backward(unit: Unit) -> None:  # exercise 3
 
 # %%
 # CHECK: a forward through your units on 2 and 3 ranks: one process's logits, every unit freed, Ψ gathered once
-check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks)
+check.fsdp_forward(shard_model, free, allocate, is_gathered, gather, pre_forward, post_forward, install_hooks)
 
 # %% [markdown]
 # ### Exercise 3: backward — gather again, reduce-scatter, free
@@ -306,7 +326,7 @@ def pre_backward(unit: Unit) -> None:
 def post_backward(unit: Unit) -> None:
     """The unit's full gradient is complete: this rank's averaged chunk into shard.grad; free the unit."""
     # BEGIN SOLUTION
-    # HINT: read unit.full.grad and clear it; divide by the world size; the reduce-scatter's output has the shard's size and dtype; accumulate into unit.shard.grad if it is not None; then unit.free().
+    # HINT: read unit.full.grad and clear it; divide by the world size; the reduce-scatter's output has the shard's size and dtype; accumulate into unit.shard.grad if it is not None; then free(unit).
     grad, unit.full.grad = unit.full.grad, None
     chunk = torch.empty_like(unit.shard)
     comm.reduce_scatter_tensor(chunk, grad.div_(unit.world))
@@ -314,7 +334,7 @@ def post_backward(unit: Unit) -> None:
         unit.shard.grad = chunk
     else:
         unit.shard.grad += chunk
-    unit.free()
+    free(unit)
     # END SOLUTION
 
 # %%
