@@ -61,7 +61,8 @@ def fails(call, *words: str) -> str:
 
 # -------------------------------------------------------------------------------- lab 03
 SETUP03 = ("from minifsdp.labcheck import lab03 as check",)
-EX03 = ("def greedy_partition", "def local_optimizer", "def install_zero2", "def predict_model_states")
+EX03 = ("def greedy_partition", "def local_optimizer", "def owner_buckets", "def install_zero2",
+        "def predict_model_states")
 
 
 def lab03_fns(notebook: str = "solutions/03_zero.ipynb", edits: dict[str, str] | None = None) -> dict:
@@ -121,6 +122,18 @@ def test_lab03_consolidate_mistakes():
     fails(lambda: lab03.zero1(*zero1_args(from_rank0), world_sizes=(2,)), "consolidated", "owner")
     everywhere = lab03_fns(edits={"return state if dist.rank() == 0 else None": "return state"})
     fails(lambda: lab03.zero1(*zero1_args(everywhere), world_sizes=(2,)), "other than 0")
+
+
+def test_lab03_owner_buckets(sol03, blank03, capsys):
+    lab03.owner_buckets(sol03["owner_buckets"], sol03["unpack_bucket"])
+    assert "round trip exact" in capsys.readouterr().out
+    fails(lambda: lab03.owner_buckets(blank03["owner_buckets"], blank03["unpack_bucket"]),
+          "not written yet", "NotImplementedError")
+    every = lab03_fns(edits={"for t, o in zip(tensors, owners) if o == r]": "for t, o in zip(tensors, owners)]"})
+    fails(lambda: lab03.owner_buckets(every["owner_buckets"], every["unpack_bucket"]), "owns")
+    rebinds = lab03_fns(edits={"t.data.copy_(bucket[offset:offset + n].view_as(t))":
+                               "t = bucket[offset:offset + n].view_as(t)"})
+    fails(lambda: lab03.owner_buckets(rebinds["owner_buckets"], rebinds["unpack_bucket"]), "in place")
 
 
 def test_lab03_zero2_mistakes(sol03):

@@ -6,7 +6,8 @@ compares with one process on the same global batch and with the library
 
     from minifsdp.labcheck import lab03 as check
     check.greedy_partition(greedy_partition)
-    check.zero1(greedy_partition, local_optimizer, zero1_step)
+    check.zero1(greedy_partition, local_optimizer, zero1_step, consolidate_state)
+    check.owner_buckets(owner_buckets, unpack_bucket)
     runs = check.zero2(greedy_partition, local_optimizer, zero1_step, install_zero2)
     check.predict_model_states(predict_model_states, runs)
 
@@ -39,7 +40,7 @@ from ..launch import WorkerError, launch
 from ..memory import GRADIENTS, OPTIMIZER, PARAMETERS, MemoryTracker
 from .verdict import failed, is_library, not_implemented, passed
 
-__all__ = ["greedy_partition", "zero1", "zero2", "predict_model_states", "zero_worker", "model_states_worker",
+__all__ = ["greedy_partition", "zero1", "owner_buckets", "zero2", "predict_model_states", "zero_worker", "model_states_worker",
            "single_process", "results", "LR", "WD", "EPS"]
 
 # What the last run of each check measured (the lab draws the learner's run from it): a check cell is
@@ -531,3 +532,66 @@ def _diagnose(cat: str, got: int, out: dict, n: int, n_params: int) -> str:
         return "from stage 1 on, the optimizer state covers the owned parameters only"
     return ("sharded terms count the owned elements, unsharded ones all n_params; AdamW: 2 x 4 B per element "
             "+ 4 B per tensor")
+
+
+# -- exercise 2b: one flat broadcast bucket per owner (FairScale OSS's broadcast_buffer_size) ----
+def owner_buckets(pack: Callable[[list[torch.Tensor], list[int], int], list[torch.Tensor]],
+                  unpack: Callable[[torch.Tensor, list[torch.Tensor], list[int], int], None]) -> None:
+    """The learner's ``owner_buckets`` / ``unpack_bucket`` on gpt-tiny's parameters (1, 2, 4 ranks) and on
+    a case where some ranks own nothing: layout in parameter order, exactly the owned elements, a round trip
+    that writes back in place into the owned tensors only. One process: the layout is pure bookkeeping."""
+    what = "owner_buckets"
+    blank(what, owner_buckets=pack, unpack_bucket=unpack)
+    refuse_library(what, {"owner_buckets": pack, "unpack_bucket": unpack}, _library())
+    torch.manual_seed(0)
+    gpt = [torch.nn.Parameter(torch.randn(p.shape)) for p in models.build_model(MODEL, device="meta").parameters()]
+    small = [torch.nn.Parameter(torch.randn(s)) for s in (5, 2)]
+    cases = [(gpt, 1), (gpt, 2), (gpt, 4), (small, 4)]
+    for tensors, n in cases:
+        owners = _lpt([t.numel() for t in tensors], n)
+        where = f"{'gpt-tiny' if tensors is gpt else 'two tensors (5, 2 elements)'} on {n} rank(s)"
+        want = [torch.cat([t.detach().reshape(-1) for t, o in zip(tensors, owners) if o == r] or [torch.empty(0)])
+                for r in range(n)]
+        try:
+            got = list(pack(tensors, owners, n))
+        except NotImplementedError as e:
+            failed(what, f"not written yet (NotImplementedError: {e})")
+        except Exception as e:   # noqa: BLE001 - the learner's error, in one line
+            failed(what, f"owner_buckets raised on {where}: {type(e).__name__}: {e}")
+        if len(got) != n:
+            failed(what, f"{where}: owner_buckets returned {len(got)} buckets: return one per rank ({n})")
+        for r, (g, w) in enumerate(zip(got, want)):
+            if not torch.is_tensor(g) or g.dim() != 1:
+                failed(what, f"{where}, rank {r}: a bucket is one 1-D tensor (flatten each tensor, then join them)")
+            if g.numel() != w.numel():
+                hint = (f"it holds every tensor: a bucket carries only the tensors rank {r} owns"
+                        if g.numel() == sum(t.numel() for t in tensors) else
+                        f"rank {r} owns {w.numel():,} elements: put exactly the tensors it owns in its bucket")
+                failed(what, f"{where}, rank {r}: bucket of {g.numel():,} elements; {hint}")
+            if not torch.equal(g, w):
+                failed(what, f"{where}, rank {r}: the right number of elements in another layout: join the owned "
+                             "tensors in parameter (list) order, each flattened, so every rank reads the same layout")
+        for r in range(n):
+            restored = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+            try:
+                unpack(want[r].clone(), restored, owners, r)
+            except NotImplementedError as e:
+                failed(what, f"unpack_bucket is not written yet (NotImplementedError: {e})")
+            except Exception as e:   # noqa: BLE001
+                failed(what, f"unpack_bucket raised on {where}, rank {r}: {type(e).__name__}: {e} (a parameter "
+                             "is a leaf that requires grad: copy into its .data, or under torch.no_grad())")
+            for i, (t, o, orig) in enumerate(zip(restored, owners, tensors)):
+                if o != r and t.detach().abs().sum() != 0:
+                    failed(what, f"{where}, unpacking rank {r}'s bucket changed tensor {i}, which rank {o} owns: "
+                                 "write only into the owned tensors")
+                if o == r and not torch.equal(t.detach(), orig.detach()):
+                    hint = ("it is untouched: copy into the tensor itself, in place (rebinding a name leaves the "
+                            "model's tensor as it was)" if t.detach().abs().sum() == 0 else
+                            "its values are wrong: read the bucket in the same order and at the same offsets "
+                            "owner_buckets wrote")
+                    failed(what, f"{where}, rank {r}: tensor {i} after unpack_bucket differs from the packed one; "
+                                 + hint)
+    owners4 = _lpt([t.numel() for t in gpt], 4)
+    sizes = [sum(t.numel() for t, o in zip(gpt, owners4) if o == r) for r in range(4)]
+    passed(what, f"round trip exact on {len(cases)} layouts; gpt-tiny on 4 ranks: {len(gpt)} broadcasts become 4, "
+                 f"buckets of {', '.join(f'{s:,}' for s in sizes)} elements")

@@ -30,7 +30,7 @@
 #
 # **Exercises** (your code between the markers, each followed by a one-call check):
 # 1. the greedy partition · 2. ZeRO-1: a sharded optimizer, its step, its checkpoint ·
-# 3. ZeRO-2: the reduce-to-owner gradient hook · 4. each rank's bytes, exactly.
+# 2b. one flat broadcast bucket per owner · 3. ZeRO-2: the reduce-to-owner gradient hook · 4. each rank's bytes, exactly.
 #
 # Symbols (as in every lab): `Ψ` = number of parameters; `N` = world size; bytes are
 # written `4Ψ`, `2Ψ`, ...; `K` = optimizer-state bytes per parameter.
@@ -327,6 +327,59 @@ print(f"one process: {full_state:,} B of AdamW state for Ψ = {ref['n_params']:,
 # per step, `4Ψ` bytes in fp32, on top of DDP's all-reduce. `minifsdp.zero.OSS` is
 # this exercise made into a `torch.optim.Optimizer` (param groups, LR schedulers,
 # gradient clipping, state dicts) plus packing small parameters into one broadcast.
+#
+# ### Exercise 2b: one flat bucket per owner
+#
+# `zero1_step` calls one broadcast per parameter: `gpt-tiny` has dozens of small
+# tensors, and each collective pays a fixed latency. FairScale's `OSS` (its
+# `broadcast_buffer_size`) packs what one rank owns into one flat buffer and sends it
+# in one broadcast from that rank; every receiver unpacks it into its own copies.
+# Write the two halves, the same on every rank:
+#
+# * `owner_buckets(tensors, owners, world_size)`: a list of `world_size` 1-D
+#   tensors; entry `r` holds the elements of the tensors that rank `r` owns, one
+#   after the other **in parameter order** (every rank must agree on the layout
+#   without talking), empty for a rank that owns nothing.
+# * `unpack_bucket(bucket, tensors, owners, rank)`: copy `rank`'s bucket back,
+#   *in place*, into the tensors that `rank` owns (the model holds those very
+#   tensors; rebinding a name changes nothing it sees).
+#
+# Target: a round trip gives back every value, rank `r`'s bucket has exactly the
+# owned elements, and a rank that owns nothing gets an empty bucket.
+
+# %%
+def owner_buckets(tensors: list[torch.Tensor], owners: list[int], world_size: int) -> list[torch.Tensor]:
+    """One flat tensor per rank: the owned tensors' elements, in parameter order."""
+    # BEGIN SOLUTION
+    # HINT: for each rank, the owned tensors flattened to 1-D, joined end to end in their list order; a rank with none still gets a tensor (of 0 elements, same dtype and device).
+    buckets = []
+    for r in range(world_size):
+        mine = [t.detach().reshape(-1) for t, o in zip(tensors, owners) if o == r]
+        buckets.append(torch.cat(mine) if mine else tensors[0].new_empty(0))
+    return buckets
+    # END SOLUTION
+
+
+def unpack_bucket(bucket: torch.Tensor, tensors: list[torch.Tensor], owners: list[int], rank: int) -> None:
+    """Copy ``rank``'s flat bucket back, in place, into the tensors ``rank`` owns."""
+    # BEGIN SOLUTION
+    # HINT: walk the tensors in the same order as owner_buckets, keep a running offset into the bucket, and copy each owned tensor's slice (reshaped to the tensor's shape) into the tensor's data.
+    offset = 0
+    for t, o in zip(tensors, owners):
+        if o == rank:
+            n = t.numel()
+            t.data.copy_(bucket[offset:offset + n].view_as(t))
+            offset += n
+    # END SOLUTION
+
+# %%
+# CHECK: owner_buckets and unpack_bucket on gpt-tiny's parameters, 1 to 4 owners and a rank that owns nothing
+check.owner_buckets(owner_buckets, unpack_bucket)
+
+# %% [markdown]
+# With these, the broadcast loop of `zero1_step` becomes one call per rank:
+# `b = owner_buckets(params, owners, N)[r]; comm.broadcast(b, src=r); unpack_bucket(b, params, owners, r)`
+# (the receivers' bucket only needs the right size: the broadcast overwrites it).
 #
 # ## 3. ZeRO-2: each gradient goes to its owner only
 #
