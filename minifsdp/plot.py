@@ -40,6 +40,8 @@ from . import comm
 from .estimate import format_bytes
 from .trace import COMM, COMPUTE, MemorySample, Trace
 
+COLUMN_WIDTH_IN = 10.5  # inches: a notebook column is ~1100 px, and lab figures are drawn at 100 dpi
+
 __all__ = ["timeline", "memory", "bandwidth", "collective_diagram", "human_bytes",
            "color_for", "Figure", "MiB", "CATEGORY_COLORS", "OP_COLORS"]
 
@@ -197,7 +199,7 @@ def timeline(traces: Trace | Sequence[Trace], ax: Axes | None = None, title: str
         >>> fig.savefig("timeline.png")                         # doctest: +SKIP
     """
     traces = sorted(_as_traces(traces), key=lambda t: t.rank)
-    fig, ax = _new_axes(ax, (12, 0.9 + 1.1 * max(len(traces), 1)))
+    fig, ax = _new_axes(ax, (COLUMN_WIDTH_IN, 0.9 + 1.1 * max(len(traces), 1)))
     t0 = _t0(traces)
     t_end = max((s.end for t in traces for s in t.spans), default=t0 + 1e-3)
     lo_ms, hi_ms = window if window is not None else (0.0, max((t_end - t0) * 1e3, 1e-3) * 1.01)
@@ -306,7 +308,7 @@ def memory(trace_or_samples: Any, ax: Axes | Sequence[Axes] | None = None,
     series, t0 = _memory_series(trace_or_samples)
     cats = _categories(m for _, ss in series for m in ss)
     if ax is None:
-        fig = Figure(figsize=(10, 0.6 + 2.6 * len(series)), layout="constrained")
+        fig = Figure(figsize=(COLUMN_WIDTH_IN, 0.6 + 2.6 * len(series)), layout="constrained")
         axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0].tolist()
     else:
         axes = [ax] if isinstance(ax, Axes) else list(ax)
@@ -512,9 +514,6 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     return fig
 
 
-COLUMN_WIDTH_IN = 10.5  # inches: a notebook column is ~1100 px, and lab figures are drawn at 100 dpi
-
-
 def column_figure(nrows: int = 1, ncols: int = 1, height: float = 3.5, **subplot_kw: Any) -> tuple[Figure, Any]:
     """A figure as wide as a notebook column (~1050 px) with ``nrows x ncols`` axes.
 
@@ -609,7 +608,7 @@ def pipeline_schedule(plan: Any, traces: Sequence[Trace] | None = None, title: s
     tl = plan if hasattr(plan, "spans") and hasattr(plan, "lowered") else simulate(plan)
     p = tl.plan.p
     n_panels = 1 if traces is None else 2
-    fig = Figure(figsize=(11, 0.55 * p * n_panels + 1.4 * n_panels))
+    fig = Figure(figsize=(COLUMN_WIDTH_IN, 0.55 * p * n_panels + 1.4 * n_panels))
     axes = [fig.add_subplot(n_panels, 1, k + 1) for k in range(n_panels)]
     centres = _pipeline_rows(axes[0], tl.spans, p, 0, "{kind}{mb}")
     axes[0].set_xlim(0, tl.makespan)

@@ -123,7 +123,10 @@ def test_timeline_labels_never_overprint():
                   Span("backward", COMPUTE, b + 0.03, b + 0.07), Span("ddp.backward", COMPUTE, b + 0.035, b + 0.065),
                   Span("optimizer", COMPUTE, b + 0.07, b + 0.085),
                   Span("all_reduce", COMM, b + 0.04, b + 0.07, {"bytes": 3 * MiB})]
-    fig = plot.timeline(Trace(rank=0, spans=spans), window=(0.0, 190.0))
+    # the geometry this test was written for: a 12 in axis (lab figures are a 10.5 in column; a
+    # narrower axis drops the labels that no longer fit, which is the rule under test too)
+    fig = plot.Figure(figsize=(12, 2.0), layout="constrained")
+    plot.timeline(Trace(rank=0, spans=spans), window=(0.0, 190.0), ax=fig.add_subplot())
     FigureCanvasAgg(fig)
     fig.draw_without_rendering()
     boxes = [(t.get_text(), t.get_window_extent()) for t in fig.axes[0].texts]
@@ -314,3 +317,13 @@ def test_notebook_shows_a_returned_figure_once():
     assert [o.output_type for o in first] == ["execute_result"]
     assert first[0].data["image/png"]  # base64 PNG, shown inline
     assert second[0].data["text/plain"] == "'3.0 MiB'"
+
+
+def test_figures_fit_a_notebook_column():
+    """Labs are read at laptop width (~1100 px at 100 dpi): no figure is wider than a column."""
+    traces = [Trace(rank=r, memory=_samples(t0=50.0)) for r in (0, 1)]
+    for r, t in enumerate(traces):
+        t.spans.append(Span("forward", COMPUTE, 50.0, 50.002 + r * 0.001))
+    for fig in (plot.timeline(traces), plot.memory(traces), plot.memory(_samples())):
+        width, _ = fig.get_size_inches()
+        assert width <= plot.COLUMN_WIDTH_IN, f"{width} in wide > {plot.COLUMN_WIDTH_IN} in column"
