@@ -10,9 +10,9 @@
   ``estimate.gpt_checkpoint_activation_bytes`` predicts (full and selective).
 * FSDP: checkpoint_wrapper on every block, then FSDP (PyTorch's recipe order),
   and the other order, trains like torch's FSDP1 with torch's checkpoint_wrapper
-  (fp32, 2 ranks; the same recipe with bf16 MixedPrecision belongs with the
-  mixed-precision tests, under their bf16 tolerance); state-dict keys are the
-  plain model's and load into it.
+  (fp32, 2 ranks; the same recipe with bf16 MixedPrecision, against torch FSDP1 at
+  2 and 4 ranks under a bf16 tolerance, is tests/test_fsdp_ac_bf16.py); state-dict
+  keys are the plain model's and load into it.
 * Bad input: one-line errors that name the fix.
 """
 
