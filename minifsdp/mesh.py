@@ -29,11 +29,36 @@ node, joined by the fastest links, since TP talks in every layer::
       pp groups: [0] [1] [2] [3]
       tp groups: [0, 1] [2, 3]
 
+HYBRID_SHARD (HSDP) has two data-parallel dimensions: it shards inside a
+group of ``dp_shard`` ranks (a node) and replicates across the
+``dp_replicate = dp / dp_shard`` groups. ``dp_shard=`` splits the ``dp``
+dimension that way (torchtitan's names; ``dp_shard`` fastest, so a shard group
+is consecutive along dp), and the mesh builds those groups too. FSDP takes
+them with ``FullyShardedDataParallel(..., device_mesh=m)``, as torch's FSDP1
+takes a 2-D (replicate, shard) mesh::
+
+    >>> h = DeviceMesh(dp=4, dp_shard=2)           # 2 "nodes" of 2 ranks
+    >>> h.groups("dp_shard"), h.groups("dp_replicate")
+    ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> print(h)                                   # doctest: +NORMALIZE_WHITESPACE
+    DeviceMesh(dp=4, pp=1, tp=1, dp_shard=2): 4 ranks, rank = dp*1 + pp*1 + tp
+                  tp=0
+      dp=0 pp=0      0
+      dp=1 pp=0      1
+      dp=2 pp=0      2
+      dp=3 pp=0      3
+      dp groups: [0, 1, 2, 3]
+      pp groups: [0] [1] [2] [3]
+      tp groups: [0] [1] [2] [3]
+      dp = dp_replicate 2 x dp_shard 2, dp index = dp_replicate*2 + dp_shard
+      dp_replicate groups: [0, 2] [1, 3]
+      dp_shard groups: [0, 1] [2, 3]
+
 Inside a process group (``minifsdp.launch`` or torchrun) the constructor also
 builds the groups: every rank calls ``torch.distributed.new_group`` for every
 group in the same order (torch requires it), and keeps the ones it belongs to.
 ``get_group("tp")`` / ``get_local_rank("tp")`` / ``size("tp")`` are named as
-on ``torch.distributed.device_mesh.DeviceMesh``. ``plot.mesh(m)`` draws it.
+on ``torch.distributed.device_mesh.DeviceMesh``. ``plot.mesh_diagram(m)`` draws it.
 """
 
 from __future__ import annotations
@@ -45,22 +70,31 @@ import torch.distributed as tdist
 
 from . import dist
 
-__all__ = ["DeviceMesh", "DIMS"]
+__all__ = ["DeviceMesh", "DIMS", "DP_SPLIT"]
 
 DIMS = ("dp", "pp", "tp")
+DP_SPLIT = ("dp_replicate", "dp_shard")  # HSDP's two views of dp, built only when dp_shard= is given
 
 
 class DeviceMesh:
-    """The (dp x pp x tp) layout of ``dp * pp * tp`` ranks and, when distributed, its process groups."""
+    """The (dp x pp x tp) layout of ``dp * pp * tp`` ranks and, when distributed, its process groups.
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, build_groups: bool | None = None) -> None:
-        sizes = {"dp": dp, "pp": pp, "tp": tp}
+    ``dp_shard``: split dp into ``dp_replicate x dp_shard`` for HYBRID_SHARD (default: no split).
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, dp_shard: int | None = None,
+                 build_groups: bool | None = None) -> None:
+        sizes = {"dp": dp, "pp": pp, "tp": tp} | ({} if dp_shard is None else {"dp_shard": dp_shard})
         for name, n in sizes.items():
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"DeviceMesh: {name}={n!r}; every mesh dimension must be a positive integer "
                                  "(use 1 for a technique you do not use)")
+        if dp_shard is not None and dp % dp_shard:
+            raise ValueError(f"DeviceMesh: dp_shard={dp_shard} must divide dp={dp} "
+                             "(HYBRID_SHARD: dp = dp_replicate x dp_shard, dp_shard = ranks per node)")
         self.shape = (dp, pp, tp)
         self.world_size = dp * pp * tp
+        self.dp_shard = dp_shard  # None: dp is not split (no dp_replicate / dp_shard groups)
         self._groups: dict[str, Any] = {}
         if build_groups is None:
             build_groups = dist.is_initialized()
@@ -73,7 +107,10 @@ class DeviceMesh:
 
     # -- layout (pure arithmetic, no processes needed) -------------------------
     def size(self, dim: str | None = None) -> int:
-        """Ranks along ``dim`` (``"dp"``, ``"pp"``, ``"tp"``), or the whole mesh."""
+        """Ranks along ``dim`` (``"dp"``, ``"pp"``, ``"tp"``, ``"dp_replicate"``, ``"dp_shard"``), or the whole mesh."""
+        if dim in DP_SPLIT:
+            shard = self._shard_size(dim)
+            return shard if dim == "dp_shard" else self.shape[0] // shard
         return self.world_size if dim is None else self.shape[self._axis(dim)]
 
     def rank_at(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
@@ -91,6 +128,11 @@ class DeviceMesh:
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``: the ranks that differ only in that coordinate, in order."""
+        if dim in DP_SPLIT:  # cut every dp group into consecutive runs (dp_shard) or strided picks (dp_replicate)
+            s = self._shard_size(dim)
+            if dim == "dp_shard":
+                return [g[i:i + s] for g in self.groups("dp") for i in range(0, len(g), s)]
+            return [g[i::s] for g in self.groups("dp") for i in range(s)]
         axis = self._axis(dim)
         others = [range(n) if i != axis else range(1) for i, n in enumerate(self.shape)]
         out = []
@@ -111,7 +153,7 @@ class DeviceMesh:
     # -- process groups ----------------------------------------------------------
     def _build_groups(self) -> None:
         me = dist.rank()
-        for dim in DIMS:
+        for dim in DIMS + (DP_SPLIT if self.dp_shard is not None else ()):
             for ranks in self.groups(dim):
                 # Every rank must take part in creating every group, in the same order.
                 group = tdist.new_group(ranks) if len(ranks) < self.world_size else tdist.group.WORLD
@@ -120,7 +162,7 @@ class DeviceMesh:
 
     def get_group(self, dim: str) -> Any:
         """This rank's process group along ``dim`` (as ``torch``'s ``DeviceMesh.get_group``)."""
-        self._axis(dim)
+        self._shard_size(dim) if dim in DP_SPLIT else self._axis(dim)
         if dim not in self._groups:
             raise RuntimeError("this DeviceMesh has no process groups: build it inside a process group "
                                "(minifsdp.launch or torchrun) to use get_group")
@@ -128,12 +170,16 @@ class DeviceMesh:
 
     def get_local_rank(self, dim: str) -> int:
         """This process's coordinate along ``dim`` (its rank inside that group)."""
+        if dim in DP_SPLIT:  # dp index = dp_replicate * dp_shard + (index inside the shard group)
+            d, shard = self.coords()["dp"], self._shard_size(dim)
+            return d % shard if dim == "dp_shard" else d // shard
         return self.coords()[dim]
 
     # -- printing ---------------------------------------------------------------
     def __repr__(self) -> str:
         D, P, T = self.shape
-        return f"DeviceMesh(dp={D}, pp={P}, tp={T})"
+        split = "" if self.dp_shard is None else f", dp_shard={self.dp_shard}"
+        return f"DeviceMesh(dp={D}, pp={P}, tp={T}{split})"
 
     def __str__(self) -> str:
         D, P, T = self.shape
@@ -144,10 +190,21 @@ class DeviceMesh:
                 lines.append(f"  dp={d:<2}pp={p:<2}" + "".join(f"{self.rank_at(d, p, t):>6}" for t in range(T)))
         for dim in DIMS:
             lines.append(f"  {dim} groups: " + " ".join(str(g) for g in self.groups(dim)))
+        if self.dp_shard is not None:
+            R, S = self.size("dp_replicate"), self.dp_shard
+            lines.append(f"  dp = dp_replicate {R} x dp_shard {S}, dp index = dp_replicate*{S} + dp_shard")
+            for dim in DP_SPLIT:
+                lines.append(f"  {dim} groups: " + " ".join(str(g) for g in self.groups(dim)))
         return "\n".join(lines)
+
+    def _shard_size(self, dim: str) -> int:
+        if self.dp_shard is None:
+            raise ValueError(f"{self!r} does not split dp, so it has no {dim!r} dimension: build it with "
+                             f"DeviceMesh(dp={self.shape[0]}, ..., dp_shard=<ranks per node>) for HYBRID_SHARD")
+        return self.dp_shard
 
     @staticmethod
     def _axis(dim: str) -> int:
         if dim not in DIMS:
-            raise ValueError(f"unknown mesh dimension {dim!r}; use one of {', '.join(DIMS)}")
+            raise ValueError(f"unknown mesh dimension {dim!r}; use one of {', '.join(DIMS + DP_SPLIT)}")
         return DIMS.index(dim)

@@ -349,6 +349,46 @@ def test_torch_fsdp_user_code_runs_unchanged(fp32_losses):
     torch.testing.assert_close(ours, fp32_losses, atol=0, rtol=BF16_RTOL)
 
 
+def _hybrid_groups_from_meshes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from minifsdp.fsdp import ShardingStrategy, init_hybrid_groups
+    from minifsdp.mesh import DeviceMesh
+    from minifsdp.models import Block
+
+    pair = init_hybrid_groups(2)
+    out = {"ranks": [tdist.get_process_group_ranks(g) for g in pair], "cached": init_hybrid_groups(2) == pair}
+    meshes = {"pair": dict(process_group=pair), "minifsdp mesh": dict(device_mesh=DeviceMesh(dp=4, dp_shard=2)),
+              "torch mesh": dict(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))}
+    for name, kw in meshes.items():
+        model = FSDP(_gpt(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                     auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+        with trace.Tracer() as tracer:
+            losses = _train(model, 2)
+        groups = {tuple(tdist.get_process_group_ranks(g)) for m in model.modules() if isinstance(m, FSDP)
+                  for g in (m._shard_group, m._replicate_group)}
+        out[name] = (losses, tracer.trace.bytes_by_op(), groups)
+    return out
+
+
+def test_hybrid_shard_groups_come_from_a_device_mesh():
+    outs = launch(_hybrid_groups_from_meshes, 4, timeout=180)
+    # init_hybrid_groups(2) = DeviceMesh(dp=4, dp_shard=2)'s groups: the same rank lists as ever
+    assert [o["ranks"] for o in outs] == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
+    assert all(o["cached"] for o in outs)
+    for r, o in enumerate(outs):
+        pair_losses, pair_bytes, pair_groups = o["pair"]
+        assert pair_groups == {tuple(g) for g in o["ranks"]}
+        for name in ("minifsdp mesh", "torch mesh"):  # device_mesh= gives every unit the same two groups
+            losses, nbytes, groups = o[name]
+            assert groups == pair_groups and nbytes == pair_bytes, (name, r, nbytes, pair_bytes)
+            assert losses == pair_losses, name
+    from minifsdp.mesh import DeviceMesh
+
+    with pytest.raises(ValueError, match=r"does not split dp.*dp_shard=<ranks per node>"):
+        DeviceMesh(dp=4, build_groups=False).groups("dp_shard")
+
+
 def _fairscale_style():
     torch.manual_seed(0)
     with enable_wrap(wrapper_cls=FSDP, reshard_after_forward=True):

@@ -70,6 +70,8 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
 
     * ``process_group``: ranks to shard over (default: all); for HYBRID_SHARD a
       ``(shard_group, replicate_group)`` pair or None (``init_hybrid_groups``).
+      Or ``device_mesh``, as torch's: a ``minifsdp.mesh.DeviceMesh`` (its dp groups;
+      HYBRID_SHARD: ``DeviceMesh(dp=4, dp_shard=2)``) or torch's 1-D / 2-D one (``strategy.py``).
     * ``sharding_strategy`` (``api.ShardingStrategy``); FairScale's
       ``reshard_after_forward`` True/False picks FULL_SHARD/SHARD_GRAD_OP.
     * ``auto_wrap_policy`` (``wrap.py``) makes child units, ``ignored_modules``
@@ -106,7 +108,7 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
                  *, reshard_after_forward: bool | None = None, fp32_reduce_scatter: bool = False,
                  compute_dtype: torch.dtype | None = None, buffer_dtype: torch.dtype | None = None,
                  flatten_parameters: bool = True, move_params_to_cpu: bool = False,
-                 move_grads_to_cpu: bool | None = None):
+                 move_grads_to_cpu: bool | None = None, device_mesh: Any = None):
         super().__init__()
         dist.require_initialized("FullyShardedDataParallel")
         if isinstance(module, FullyShardedDataParallel):
@@ -126,7 +128,7 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
                                else torch.device(device_id) if device_id is not None else dist.device())
         if mp is not None:  # fp16/bf16 where this device cannot compute it: one line naming the fix
             check_dtype_supported(mp.param_dtype, self.compute_device)
-        self._shard_group, self._replicate_group = groups(process_group, strategy, self.compute_device)
+        self._shard_group, self._replicate_group = groups(process_group, strategy, self.compute_device, device_mesh)
         self._dp_size = dist.world_size(self._shard_group) if self._shard_group is not None else 1
         self._dp_size *= dist.world_size(self._replicate_group) if self._replicate_group is not None else 1
         materialize_meta(module, param_init_fn, ignored_modules, self.compute_device)
@@ -134,6 +136,8 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
             module.to(self.compute_device)
         if strategy in HYBRID:  # children share the root's groups (as torch passes them on)
             process_group = (self._shard_group, self._replicate_group)
+        elif device_mesh is not None:
+            process_group = self._replicate_group if strategy == ShardingStrategy.NO_SHARD else self._shard_group
         if auto_wrap_policy is not None:  # wrap the children first, with the same options
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
                           backward_prefetch=backward_prefetch, mixed_precision=mp,

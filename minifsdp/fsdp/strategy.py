@@ -15,6 +15,12 @@ HYBRID_SHARD     the ranks of one node      the same local rank on every node
 A gradient is reduce-scattered inside the shard group, then all-reduced
 across the replicate group (``flat_param.FlatParamHandle.reduce_grad``).
 
+The groups come from ``minifsdp.mesh.DeviceMesh``. ``device_mesh=`` names them
+as torch's FSDP1 does: a minifsdp mesh gives its ``dp`` group, or for
+HYBRID_SHARD its ``(dp_shard, dp_replicate)`` groups (``DeviceMesh(dp=4,
+dp_shard=2)``); a torch ``DeviceMesh`` gives its only group, or for
+HYBRID_SHARD the groups of its 2-D (replicate, shard) mesh, dims 1 and 0.
+
 HYBRID_SHARD without a process group does what torch does
 (``_init_utils._init_process_group_state_for_hybrid_shard``): the node size is
 the number of devices of the compute device's type on this machine,
@@ -35,11 +41,12 @@ import torch
 import torch.distributed as tdist
 
 from .. import dist
+from ..mesh import DeviceMesh
 from ..mixed_precision.policy import from_fairscale, resolve
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 
-__all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "resolve_offload", "groups", "devices_per_node",
-           "init_hybrid_groups"]
+__all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "resolve_offload", "groups", "mesh_groups",
+           "devices_per_node", "init_hybrid_groups"]
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -83,8 +90,13 @@ def resolve_offload(cpu_offload: CPUOffload | bool | None, move_params_to_cpu: b
     return CPUOffload(offload_params=offload)
 
 
-def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device) -> tuple[Any, Any]:
+def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device,
+           device_mesh: Any = None) -> tuple[Any, Any]:
     """(shard group, replicate group) for a strategy; ``device`` is the compute device (HYBRID's default)."""
+    if device_mesh is not None:
+        if process_group is not None:  # torch FSDP1 refuses both as well
+            raise ValueError("pass process_group or device_mesh to FullyShardedDataParallel, not both")
+        process_group = mesh_groups(device_mesh, strategy)
     if strategy in HYBRID:
         if isinstance(process_group, tuple) and len(process_group) == 2:
             return process_group
@@ -98,6 +110,18 @@ def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device)
     return (None, group) if strategy == ShardingStrategy.NO_SHARD else (group, None)
 
 
+def mesh_groups(mesh: Any, strategy: ShardingStrategy) -> Any:
+    """``process_group`` from a ``device_mesh``: one group, or HYBRID's (shard, replicate) pair."""
+    hybrid = strategy in HYBRID
+    if isinstance(mesh, DeviceMesh):  # the dp groups; HYBRID: dp split as dp_replicate x dp_shard
+        return (mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")) if hybrid else mesh.get_group("dp")
+    ndim = getattr(mesh, "ndim", None)  # torch.distributed.device_mesh.DeviceMesh
+    if ndim != (2 if hybrid else 1):
+        raise ValueError(f"device_mesh={mesh!r}: {strategy.name} takes a minifsdp.mesh.DeviceMesh or a "
+                         f"{'2-D (replicate, shard)' if hybrid else '1-D'} torch DeviceMesh")
+    return (mesh.get_group(1), mesh.get_group(0)) if hybrid else mesh.get_group(0)
+
+
 def devices_per_node(device: torch.device) -> int:
     """torch's node size for HYBRID_SHARD: ``torch.<device type>.device_count()``.
 
@@ -107,17 +131,18 @@ def devices_per_node(device: torch.device) -> int:
     return getattr(torch, torch.device(device).type).device_count()
 
 
-_hybrid_cache: dict[tuple[int, int], tuple[Any, Any]] = {}
+_hybrid_cache: dict[tuple[int, int], DeviceMesh] = {}
 
 
 def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
     """This rank's (shard group, replicate group) for HYBRID_SHARD. Collective: call on every rank.
 
     Shard groups are ``shard_size`` consecutive ranks (a node), replicate groups
-    the ranks with the same position in each (torch's intra-/inter-node groups).
+    the ranks with the same position in each (torch's intra-/inter-node groups):
+    the ``dp_shard`` and ``dp_replicate`` groups of ``DeviceMesh(dp=world, dp_shard=shard_size)``.
     With 4 ranks and ``shard_size=2``: shard {0,1} {2,3}, replicate {0,2} {1,3}.
     ``shard_size`` defaults to ``devices_per_node(dist.device())``, as torch's HYBRID_SHARD.
-    Every unit of a model gets the same pair (cached per world and size).
+    Every unit of a model gets the same pair (the mesh is cached per world and size).
     """
     world = dist.world_size()
     shard_size = shard_size or devices_per_node(dist.device())
@@ -125,15 +150,6 @@ def init_hybrid_groups(shard_size: int | None = None) -> tuple[Any, Any]:
         raise ValueError(f"shard_size={shard_size} must divide the world size {world}: pass "
                          "process_group=init_hybrid_groups(shard_size) with the ranks per node")
     key = (id(tdist.distributed_c10d._get_default_group()), shard_size)  # a new world needs new groups
-    if key not in _hybrid_cache:
-        rank, mine = dist.rank(), [None, None]
-        for start in range(0, world, shard_size):  # every rank creates every group, in the same order
-            ranks = list(range(start, start + shard_size))
-            g = tdist.new_group(ranks)
-            mine[0] = g if rank in ranks else mine[0]
-        for offset in range(shard_size):
-            ranks = list(range(offset, world, shard_size))
-            g = tdist.new_group(ranks)
-            mine[1] = g if rank in ranks else mine[1]
-        _hybrid_cache[key] = (mine[0], mine[1])
-    return _hybrid_cache[key]
+    if key not in _hybrid_cache:  # every rank builds every group of the mesh, in the same order
+        _hybrid_cache[key] = DeviceMesh(dp=world, dp_shard=shard_size)
+    return mesh_groups(_hybrid_cache[key], ShardingStrategy.HYBRID_SHARD)
