@@ -29,7 +29,12 @@ so the tracer sees torch's calls in the same units as minifsdp's
 all-reduce 2Ψ). torch DDP's all-reduce is issued from C++ (the Reducer), out
 of reach of such a patch: a DDP communication hook (``register_comm_hook``)
 hands each bucket back to Python, where torch's own default ``allreduce_hook``
-calls ``dist.all_reduce`` -- which the counter then sees.
+calls ``dist.all_reduce`` -- which the counter then sees. DTensor (torch-tp,
+torch-fsdp+tp) talks through the *functional* collectives instead
+(``torch.distributed._functional_collectives``: ``tensor/placement_types.py``'s
+redistributions and ``tensor/parallel/loss.py``'s loss_parallel call
+``funcol.all_reduce`` / ``all_gather_single`` / ``reduce_scatter_single`` as
+module attributes, each returning a new tensor); those are swapped the same way.
 
     >>> with count_collectives():        # on every rank of a torch-fsdp run
     ...     loss = model(x).sum(); loss.backward()
@@ -79,8 +84,28 @@ _COUNTED: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
-def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    op, params, full = _COUNTED[name]
+# torch.distributed._functional_collectives attribute -> the same triple; "return": the full
+# tensor is the result (a functional all-gather returns its output). Only the functions that
+# call torch.ops._c10d_functional themselves: all_gather_tensor and all_gather_inplace call
+# all_gather_single through the module's globals -- the swapped attribute -- so counting them
+# too would count twice. ``group`` is a ProcessGroup, a name, a DeviceMesh or (mesh, dim).
+_FUNCOL_COUNTED: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "all_reduce": ("all_reduce", ("self", "reduceOp", "group", "tag"), "self"),
+    "all_gather_single": ("all_gather", ("self", "gather_dim", "group", "tag"), "return"),
+    "reduce_scatter_single": ("reduce_scatter", ("self", "reduceOp", "scatter_dim", "group", "tag"), "self"),
+    "broadcast": ("broadcast", ("self", "src", "group", "tag"), "self"),
+}
+
+
+def _funcol_group_size(group: Any) -> int:
+    from torch.distributed import _functional_collectives as funcol
+
+    return tdist.distributed_c10d._get_group_size_by_name(funcol._resolve_group(group))  # as funcol sizes it
+
+
+def _recording(name: str, original: Callable[..., Any], table: dict = _COUNTED,
+               group_size: Callable[[Any], int] = dist.world_size) -> Callable[..., Any]:
+    op, params, full = table[name]
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,10 +113,10 @@ def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         work = original(*args, **kwargs)
         tracer = trace.active_tracer()
         if tracer is not None:
-            bound = {**dict(zip(params, args)), **kwargs}
+            bound = {**dict(zip(params, args)), **kwargs, "return": work}
             tensors = bound[full] if isinstance(bound[full], (list, tuple)) else [bound[full]]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            size = dist.world_size(bound.get("group", bound.get("process_group")))
+            size = group_size(bound.get("group", bound.get("process_group")))
             # Recorded when the call returns. An async_op call has then only been
             # *issued*: its bytes are right, its span covers the issue, not the
             # transfer (torch keeps the Work and waits on it in its own code).
@@ -110,15 +135,22 @@ def count_collectives() -> Iterator[None]:
 
     Undone on exit, exceptions included. minifsdp's own strategies must not run
     inside (``comm`` calls ``torch.distributed`` too and would be counted twice).
+    The functional collectives (DTensor's) are swapped as well.
     """
-    saved = {name: getattr(tdist, name) for name in _COUNTED if hasattr(tdist, name)}
+    from torch.distributed import _functional_collectives as funcol
+
+    saved = [(tdist, name, getattr(tdist, name), _recording(name, getattr(tdist, name)))
+             for name in _COUNTED if hasattr(tdist, name)]
+    saved += [(funcol, name, getattr(funcol, name), _recording(name, getattr(funcol, name), _FUNCOL_COUNTED,
+                                                                _funcol_group_size))
+              for name in _FUNCOL_COUNTED]
     try:
-        for name, original in saved.items():
-            setattr(tdist, name, _recording(name, original))
+        for module, name, _, wrapper in saved:
+            setattr(module, name, wrapper)
         yield
     finally:
-        for name, original in saved.items():
-            setattr(tdist, name, original)
+        for module, name, original, _ in saved:
+            setattr(module, name, original)
 
 
 def _count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:

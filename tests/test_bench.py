@@ -50,12 +50,14 @@ def test_torch_bytes_are_counted(theirs, ours, world):
 
 
 def test_count_collectives_restores_torch():
-    before = tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced
+    import torch.distributed._functional_collectives as funcol  # DTensor's collectives (torch-tp) are counted too
+
+    before = tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced, funcol.all_reduce
     with pytest.raises(RuntimeError):
         with torch_reference.count_collectives():
-            assert tdist.all_reduce is not before[1]
+            assert tdist.all_reduce is not before[1] and funcol.all_reduce is not before[3]
             raise RuntimeError("boom")
-    assert (tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced) == before
+    assert (tdist.all_gather_single, tdist.all_reduce, tdist._broadcast_coalesced, funcol.all_reduce) == before
 
 
 def test_bench_pair_writes_ratios(tmp_path):
