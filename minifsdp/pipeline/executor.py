@@ -97,6 +97,9 @@ class PipelineSchedule:
             for st in stages:
                 st.enable_weight_split()
         self._rank = first.group_rank
+        # Each local stage's last action that accumulates weight gradients (B, or W): a DDP
+        # submodule all-reduces there (stage.py, ``last_backward``).
+        self._last_backward = {a.stage: a for a in self._lowered.order[self._rank] if a.kind in ("B", "W")}
 
     # ------------------------------------------------------------------ step
     def step(self, *args: Any, target: torch.Tensor | None = None, losses: list | None = None,
@@ -168,10 +171,11 @@ class PipelineSchedule:
             elif st.is_local(a.stage + 1):  # the next stage is on this rank: hand over in memory
                 self._stages[a.stage + 1].inbox[i] = out.detach()
             return
+        last = self._last_backward.get(a.stage) == a
         if a.kind == "W":
-            st.backward_weight(i)
+            st.backward_weight(i, last_backward=last)
             return
-        grad = st.backward_one_chunk(i) if a.kind == "B" else st.backward_input(i)
+        grad = st.backward_one_chunk(i, last_backward=last) if a.kind == "B" else st.backward_input(i)
         if not st.is_first:
             if st.is_local(a.stage - 1):
                 self._stages[a.stage - 1].grad_inbox[i] = grad

@@ -11,11 +11,35 @@ parallel aside)::
     rank 3           [2, 3]  stage 1     [1, 3]
 
 Replica d trains on slice d of the global batch (``data_parallel_rank``); its
-pipeline splits the slice into micro-batches. After the pipeline step each
-stage's gradients are averaged over the replicas holding the same stage: one
-flat all-reduce, DDP's idea with a single bucket, issued after the last
-backward (a pipeline's backward is spread over the whole step, so there is
-little to overlap with on the first stages anyway).
+pipeline splits the slice into micro-batches. The data dimension is
+``minifsdp.ddp.DistributedDataParallel``: each stage's module is wrapped in a
+DDP over the ranks holding the same stage (the data-parallel group), and the
+stage runs DDP the way torch's ``PipelineStage`` does (stage.py): every
+forward and every backward under ``no_sync()`` except the stage's last
+backward of the step, which all-reduces the m micro-batches' summed gradients
+in DDP's buckets, overlapped with that backward. One step on rank 0
+(pp=2, dp=2, 1F1B, m=4)::
+
+    rank 0 (stage 0):  F0 F1 B0 F2 B1 F3 B2 [B3 + all-reduce buckets over {0, 2}]
+    rank 1 (stage 1):  F0 B0 F1 B1 F2 B2 F3 [B3 + all-reduce buckets over {1, 3}]
+
+Bytes per step and rank: one all-reduce of the stage's gradients, 2Ψ_stage
+(``estimate.comm_bytes_per_step(stage params, dp, "ddp")``; buffers are not
+broadcast: a GPT's only buffer is its constant causal mask), plus the
+activations and gradients the pipeline sends.
+
+Why DDP and not FSDP: a pipeline keeps every micro-batch in flight on the
+same parameters, so FSDP would gather a stage's parameters for each
+micro-batch (or keep them gathered, then it is DDP with extra steps); DDP's
+one decision per step, "which backward synchronises", is exactly what the
+schedule knows. Zero bubble splits backward: its last W hands the weight
+gradients to autograd in one call, so DDP's hooks see one backward (stage.py).
+
+Precision (``autocast_dtype``): each stage's forward runs under
+``torch.autocast`` (fp32 parameters and gradients, 16-bit matmuls), one region
+per micro-batch as the trainer does; the loss is taken on fp32 logits.
+``bf16`` only: fp16 needs a gradient scaler to scale each micro-batch's loss
+inside the schedule, which ``train_step`` does not take.
 
 ``api="torch"`` builds the same stages and schedule from
 ``torch.distributed.pipelining`` instead (the same names, so only the module
@@ -30,12 +54,14 @@ the trainer's global mean is the same as ``--strategy single``'s.
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .. import comm, dist, models
+from .. import dist, models
+from ..ddp import DistributedDataParallel
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                        ScheduleInterleavedZeroBubble)
 from .partition import split_gpt
@@ -74,17 +100,25 @@ class PipelineParallel(nn.Module):
     ``api``: minifsdp | torch (``torch.distributed.pipelining``'s classes, no checkpoint option).
     ``pp_group`` / ``dp_group``: groups made elsewhere (a ``DeviceMesh`` with tensor parallel
     too); by default ``pipeline_groups(pp, dp)`` over the whole world.
+    ``loss_fn(output, target)``: the last stage's loss per micro-batch (default ``models.lm_loss``;
+    tensor parallel: ``ParallelGPT.loss``). ``autocast_dtype``: ``torch.bfloat16`` runs the
+    stages' forwards under autocast (see the module docstring).
     """
 
     def __init__(self, model: models.GPT, pp: int, n_microbatches: int, schedule: str = "1f1b",
                  virtual_stages: int = 1, dp: int = 1, checkpoint: str = "never", balance: list[int] | None = None,
                  api: str = "minifsdp", pp_group: tdist.ProcessGroup | None = None,
-                 dp_group: tdist.ProcessGroup | None = None):
+                 dp_group: tdist.ProcessGroup | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = models.lm_loss,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULE_CLASSES)}")
         if api not in APIS or (api == "torch" and checkpoint != "never"):
             raise ValueError(f"api={api!r}, checkpoint={checkpoint!r}: use api minifsdp or torch (torch: no checkpoint)")
+        if autocast_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"autocast_dtype={autocast_dtype}: a pipeline runs bf16 autocast only (fp16 needs a "
+                             "gradient scaler inside the schedule): use torch.bfloat16 or None")
         lib = importlib.import_module(APIS[api])
         v = virtual_stages if schedule in ("interleaved", "zero-bubble") else 1
         if virtual_stages != 1 and v == 1:
@@ -100,14 +134,26 @@ class PipelineParallel(nn.Module):
         self.data_parallel_size = dp
         parts = split_gpt(model, pp * v, balance)
         mine = [s for s in range(pp * v) if s % pp == dist.rank(pp_group)]
-        self.stage_modules = nn.ModuleList(parts[s] for s in mine)
+        self.stage_modules = nn.ModuleList(parts[s] for s in mine)  # the parameters, under their model names
         device = dist.device()
         extra = {"checkpoint": checkpoint} if api == "minifsdp" else {}
-        self.stages = [lib.PipelineStage(parts[s], s, pp * v, device, group=self.pp_group, **extra) for s in mine]
+        self.stages = [lib.PipelineStage(self._wrap(parts[s], autocast_dtype, api), s, pp * v, device,
+                                         group=self.pp_group, **extra) for s in mine]
         cls = getattr(lib, SCHEDULE_CLASSES[schedule].__name__)
+        if autocast_dtype is not None:
+            loss_fn = _fp32_loss(loss_fn)
         self.schedule = cls(self.stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else self.stages,
-                            n_microbatches, loss_fn=models.lm_loss)
+                            n_microbatches, loss_fn=loss_fn)
         self._last_rank = _global(self.pp_group, (pp * v - 1) % pp)
+
+    def _wrap(self, part: nn.Module, autocast_dtype: torch.dtype | None, api: str) -> nn.Module:
+        """What the stage runs: the part, under autocast, in a DDP over the replicas of this stage."""
+        module = _Autocast(part, autocast_dtype) if autocast_dtype is not None else part
+        if self.dp == 1:
+            return module
+        # The causal mask is the only buffer and never changes: no broadcast before each forward.
+        ddp = DistributedDataParallel if api == "minifsdp" else torch.nn.parallel.DistributedDataParallel
+        return ddp(module, process_group=self.dp_group, broadcast_buffers=False)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through train_step(x, y), not model(x): its stages live on "
@@ -125,20 +171,26 @@ class PipelineParallel(nn.Module):
         if self.pp > 1:
             # Bookkeeping (what to print), not training traffic: straight to torch.distributed.
             tdist.broadcast(loss, src=self._last_rank, group=self.pp_group)
-        if self.dp > 1:
-            self._all_reduce_grads()
         return loss
 
-    def _all_reduce_grads(self) -> None:
-        """Average each gradient over the replicas of this stage: one flat buffer, one all-reduce."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.dp)
-        comm.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+
+class _Autocast(nn.Module):
+    """``module`` whose forward runs under ``torch.autocast(dtype)``: one region per micro-batch."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(dist.device().type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def _fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    """The loss on fp32 logits (autocast leaves the head's output in bf16), as the trainer does."""
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output.float(), target)
+    return loss
 
 
 def _global(group: tdist.ProcessGroup | None, group_rank: int) -> int:
