@@ -203,8 +203,14 @@ def _pipeline(model: torch.nn.Module, cfg: TrainConfig):
 
     wrapped = PipelineParallel(model, cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages,
                                dp=cfg.dp if cfg.strategy == "pp+dp" else 1,
-                               api="torch" if cfg.strategy == "torch-pp" else "minifsdp")
+                               api="torch" if cfg.strategy == "torch-pp" else "minifsdp",
+                               autocast_dtype=_pipeline_autocast(cfg))
     return wrapped, _adamw(wrapped.parameters(), cfg)
+
+
+def _pipeline_autocast(cfg: TrainConfig) -> torch.dtype | None:
+    """--precision bf16 / --autocast: each stage's forward under bf16 autocast (fp16 is refused in validate)."""
+    return torch.bfloat16 if cfg.precision == "bf16" or cfg.autocast else None
 
 
 @strategy("tp")
@@ -267,8 +273,9 @@ def _three_d(model: torch.nn.Module, cfg: TrainConfig):
     mesh = initialize_model_parallel(cfg.tp, cfg.pp, mesh=DeviceMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp))
     wrapped = PipelineParallel(tensor_parallel_gpt(model), cfg.pp, cfg.micro_batches, cfg.schedule,
                                cfg.virtual_stages, dp=cfg.dp, pp_group=mesh.get_group("pp"),
-                               dp_group=mesh.get_group("dp") if cfg.dp > 1 else None)
-    wrapped.schedule._loss_fn = ParallelGPT.loss  # the last stage's head is vocab-parallel
+                               dp_group=mesh.get_group("dp") if cfg.dp > 1 else None,
+                               loss_fn=ParallelGPT.loss,  # the last stage's head is vocab-parallel
+                               autocast_dtype=_pipeline_autocast(cfg))
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
 
@@ -304,7 +311,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
-    if cfg.checkpoint != "none" and cfg.strategy in ("pp", "pp+dp", "torch-pp", "tp", "fsdp+tp", "3d"):
+    if cfg.checkpoint != "none" and cfg.strategy in ("tp", "fsdp+tp", "3d"):
         raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
                          "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
     if cfg.precision not in PRECISIONS:
@@ -312,7 +319,7 @@ def validate(cfg: TrainConfig) -> None:
     if (cfg.precision != "fp32" or cfg.autocast) and cfg.strategy not in PRECISION_STRATEGIES:
         raise ValueError(f"--precision/--autocast are not wired into --strategy {cfg.strategy} yet; use them "
                          f"with {', '.join(PRECISION_STRATEGIES)}")
-    if cfg.strategy in ("pp", "pp+dp", "torch-pp"):
+    if cfg.strategy in ("pp", "pp+dp", "torch-pp", "3d"):
         _validate_pipeline(cfg)
     if cfg.strategy in ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp", "3d"):
         _validate_tensor_parallel(cfg)
@@ -328,6 +335,14 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
+    if cfg.precision == "fp16":
+        raise ValueError(f"--strategy {cfg.strategy}: fp16 needs its loss scaled inside the pipeline schedule, "
+                         "which train_step does not do: use --precision bf16")
+    if cfg.checkpoint != "none" and cfg.schedule == "zero-bubble":
+        raise ValueError("--schedule zero-bubble splits backward into input and weight passes, which recompute "
+                         "(--checkpoint) does not support here: use --checkpoint none or another schedule")
+    if cfg.strategy == "3d":
+        return  # its sizes: _validate_tensor_parallel
     dp = cfg.dp if cfg.strategy == "pp+dp" else 1
     if cfg.world_size != cfg.pp * dp:
         raise ValueError(f"--strategy {cfg.strategy} runs pp x dp = {cfg.pp} x {dp} ranks: use --world-size "
@@ -472,6 +487,7 @@ def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> None:
 # Strategies that take --precision / --autocast (FSDP: a MixedPrecision policy; the others: autocast
 # for compute, and DDP/ZeRO reduce gradients in the low dtype).
 PRECISION_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "torch-fsdp")
+PRECISION_STRATEGIES += ("pp", "pp+dp", "torch-pp", "3d")  # bf16 autocast around each stage's forward
 _POLICY_STRATEGIES = ("fsdp", "torch-fsdp")          # parameters cast by the wrapper: no autocast needed
 _SHARDED_GRADS = ("zero2", "fsdp", "torch-fsdp")     # each rank holds part of the gradients
 

@@ -315,3 +315,32 @@ def test_trainer_bad_input_names_the_fix(tmp_path):
         validate(TrainConfig(strategy="pp", world_size=2, pp=2, micro_batches=3, **base))
     with pytest.raises(ValueError, match=r"8 x 1 stages but gpt-tiny has 4 layers"):
         validate(TrainConfig(strategy="pp", world_size=8, pp=8, batch_size=8, **base))
+
+
+# --------------------------------------------------------------------------
+# The trainer's --checkpoint and --precision on pipelines
+# --------------------------------------------------------------------------
+def test_trainer_checkpoint_and_bf16(tmp_path):
+    """--checkpoint full / selective (every Block wrapped before the cut) keep single's fp32 losses
+    (rel 1e-5); bf16 autocast on pp+dp stays within one bf16 ulp (2^-8, tests/test_mixed_precision_train.py)
+    of fp32 single. fp16 and zero bubble + checkpoint are refused with the fix named."""
+    from minifsdp.train import TrainConfig, train, validate
+
+    base = dict(model="gpt-tiny", steps=2, batch_size=8, seq_len=32, track_memory=False, write_plots=False,
+                quiet=True)
+    ref = train(TrainConfig(strategy="single", out=str(tmp_path / "single"), **base))["losses"]
+    exact = [dict(strategy="pp", world_size=2, pp=2, schedule="1f1b", micro_batches=4, checkpoint="full"),
+             dict(strategy="pp", world_size=2, pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
+                  checkpoint="selective")]
+    for k, kw in enumerate(exact):
+        losses = train(TrainConfig(out=str(tmp_path / f"ckpt{k}"), **kw, **base))["losses"]
+        assert losses == pytest.approx(ref, rel=TOL), (kw, losses, ref)
+    bf16 = train(TrainConfig(strategy="pp+dp", world_size=4, pp=2, dp=2, schedule="1f1b", micro_batches=2,
+                             precision="bf16", out=str(tmp_path / "bf16"), **base))["losses"]
+    torch.testing.assert_close(bf16, ref, atol=0, rtol=2.0**-8)
+    assert bf16 != ref  # autocast did run in bf16
+    with pytest.raises(ValueError, match="fp16 needs its loss scaled inside the pipeline schedule"):
+        validate(TrainConfig(strategy="pp", world_size=2, precision="fp16", out=str(tmp_path)))
+    with pytest.raises(ValueError, match="use --checkpoint none or another schedule"):
+        validate(TrainConfig(strategy="pp", world_size=2, schedule="zero-bubble", checkpoint="full",
+                             out=str(tmp_path)))

@@ -153,7 +153,7 @@ class PipelineParallel(nn.Module):
             return module
         # The causal mask is the only buffer and never changes: no broadcast before each forward.
         ddp = DistributedDataParallel if api == "minifsdp" else torch.nn.parallel.DistributedDataParallel
-        return ddp(module, process_group=self.dp_group, broadcast_buffers=False)
+        return ddp(module, process_group=self.dp_group, forward_sync_buffers=False)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through train_step(x, y), not model(x): its stages live on "
