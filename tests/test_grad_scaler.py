@@ -206,3 +206,5 @@ def test_fp16_where_the_device_cannot_compute_it(monkeypatch):
     monkeypatch.setattr(policy, "_can_compute", lambda dtype, device_type: False)
     with pytest.raises(ValueError, match="cpu cannot compute in torch.float16 .* use precision fp32 or bf16"):
         check_dtype_supported(torch.float16, "cpu")
+    with pytest.raises(ValueError, match="cpu cannot compute in torch.float16"):
+        policy.autocast("cpu", torch.float16)        # the autocast helper checks too (FSDP: test_mixed_precision)

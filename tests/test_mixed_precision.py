@@ -172,6 +172,67 @@ def test_batchnorm_kept_fp32_and_buffers_in_buffer_dtype_as_torch():
     assert ours == theirs, f"minifsdp {ours} != torch FSDP1 {theirs}"
 
 
+class _UpcastNet(nn.Module):
+    """Two Linear units; the root holds a parameter (so it is a unit with a flat parameter of its own, as in
+    torch FSDP1 a root without one casts nothing) and a float buffer; with ``upcast`` it computes in fp32
+    between the two units."""
+
+    def __init__(self, upcast):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out, self.upcast = nn.Linear(8, 8), nn.Linear(8, 4), upcast
+        self.gain = nn.Parameter(torch.ones(8))
+        self.register_buffer("offset", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.inp(x * self.gain)
+        h = h.float() if self.upcast else h
+        return self.out(h + self.offset.to(h.dtype))
+
+
+# policy -> what it exercises: buffer_dtype apart from param_dtype; buffer_dtype None (buffers keep fp32);
+# cast_forward_inputs: every unit casts its inputs (the root's fp32 activation too, at the next unit)
+POLICY_VARIANTS = {"buffer fp16": dict(param_dtype=torch.bfloat16, buffer_dtype=torch.float16),
+                   "buffer None": dict(param_dtype=torch.bfloat16),
+                   "cast every unit": dict(param_dtype=torch.bfloat16, cast_forward_inputs=True,
+                                           cast_root_forward_inputs=False)}
+
+
+def _policy_variants(impl):
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as Wrapper, MixedPrecision as MP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as Policy
+        extra = {"device_id": torch.device("cpu")}
+    else:
+        Wrapper, MP, Policy, extra = FSDP, MixedPrecision, ModuleWrapPolicy, {}
+    out = {}
+    for name, kw in POLICY_VARIANTS.items():
+        model = Wrapper(_UpcastNet(kw.get("cast_forward_inputs", False)), auto_wrap_policy=Policy({nn.Linear}), mixed_precision=MP(**kw), **extra)
+        seen = {}
+        for mod_name in ("root", "inp", "out"):
+            mod = next(m for n, m in model.named_modules() if type(m) is (_UpcastNet if mod_name == "root" else
+                                                                            nn.Linear) and mod_name in n.split(".") + ["root"])
+            mod.register_forward_pre_hook(lambda m, a, mod_name=mod_name: seen.__setitem__(mod_name, str(a[0].dtype)))
+        y = model(torch.randn(6, 8))
+        y.float().sum().backward()
+        buffers = {n.split(".")[-1]: str(b.dtype) for n, b in model.named_buffers()}
+        out[name] = (buffers, seen, str(y.dtype))
+    return out
+
+
+def test_buffer_dtype_and_forward_input_casts_as_torch():
+    """buffer_dtype apart from param_dtype, buffer_dtype None, cast_forward_inputs / cast_root_forward_inputs."""
+    ours = launch(_policy_variants, 2, "minifsdp", timeout=120)[0]
+    theirs = launch(_policy_variants, 2, "torch", timeout=120)[0]
+    assert ours["buffer fp16"][0] == {"offset": "torch.float16"}, "buffers follow buffer_dtype, not param_dtype"
+    assert ours["buffer None"][0] == {"offset": "torch.float32"}, "buffer_dtype=None leaves buffers as they are"
+    assert ours["buffer None"][1]["root"] == "torch.bfloat16", "cast_root_forward_inputs (default): the root casts"
+    assert ours["cast every unit"][1] == {"root": "torch.bfloat16", "inp": "torch.bfloat16",
+                                          "out": "torch.bfloat16"}, \
+        "cast_forward_inputs: every unit (the root too, as torch) casts its inputs, also the root's fp32 activation"
+    assert ours == theirs, f"minifsdp {ours} != torch FSDP1 {theirs}"
+
+
 def _fairscale_style(kind):
     from minifsdp.fsdp.wrap import enable_wrap, wrap
 
@@ -208,6 +269,22 @@ def test_fairscale_style_construction_trains(kind, fp32_run):
         assert devices == ["cpu"]
         torch.testing.assert_close(losses, fp32_run[0], atol=0, rtol=FP16_RTOL)
     assert n_units == (3 if kind == "enable_wrap" else 1)
+
+
+def _fp16_where_the_device_cannot_compute_it():
+    from minifsdp.mixed_precision import policy
+    policy._can_compute = lambda dtype, device_type: False   # a device without fp16 arithmetic
+    try:
+        FSDP(build_model("gpt-tiny", seed=0), mixed_precision=FP16)
+    except ValueError as err:
+        return str(err)
+    return "FSDP accepted fp16 on a device that cannot compute it"
+
+
+def test_fsdp_fp16_where_the_device_cannot_compute_it_names_the_fix():
+    message = launch(_fp16_where_the_device_cannot_compute_it, 1, timeout=60)[0]
+    assert "cpu cannot compute in torch.float16" in message and "use precision fp32 or bf16" in message, message
+    assert "\n" not in message
 
 
 def test_bad_precision_flags_name_the_fix():
