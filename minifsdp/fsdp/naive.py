@@ -2,7 +2,7 @@
 
 Layer 5 (techniques). This is the cycle lab 04's learner writes, kept beside
 the full implementation (``fully_sharded.py`` + ``flat_param.py``) the way
-``ddp.py`` keeps ``NaiveDataParallel`` beside the bucketed DDP. It is ZeRO
+``ddp/`` keeps ``naive.py`` beside the bucketed DDP. It is ZeRO
 stage 3 (Rajbhandari et al. 2020) as FairScale's and PyTorch's FSDP1 (Zhao et
 al. 2023) do it, minus every option: no prefetch, no strategies, no mixed
 precision, no state dicts. Read it first; then read ``flat_param.py``.

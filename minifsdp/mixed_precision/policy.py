@@ -32,7 +32,7 @@ Two ways to compute in low precision, and when to use which:
   below picks the dtype (CPU: bf16; CUDA: bf16 where supported, else fp16).
   The two compose: FSDP with ``param_dtype=bf16`` inside an autocast region.
 
-Read this file first, then ``grad_scaler.py``; ``fsdp/``, ``ddp.py`` and
+Read this file first, then ``grad_scaler.py``; ``fsdp/``, ``ddp/`` and
 ``zero/`` apply the policy.
 """
 

@@ -3,7 +3,7 @@
 Mirrors ``fairscale.optim.OSS`` and ``fairscale.nn.data_parallel.ShardedDataParallel``
 (the ZeRO paper's stages 1 and 2, Rajbhandari et al. 2020), and
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` under torch's name.
-Read ``ddp.py`` first (what is being sharded), then in this order:
+Read ``ddp/`` first (what is being sharded), then in this order:
 
 * ``oss.py`` — stage 1: each rank keeps the optimizer state of the parameters
   it owns and steps only those; owners broadcast the updated parameters.

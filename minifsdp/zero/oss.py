@@ -33,7 +33,7 @@ with a reduce-scatter, which is what stage 2 does: see ``sharded_dp.py``.)
 ``estimate.comm_bytes_per_step(n_params, N, "zero1")`` gives these bytes exactly.
 Optimizer state per rank: the state of the owned parameters only, ≈ 1/N.
 
-Read first: ``ddp.py`` (the data parallel training this shards); then this
+Read first: ``ddp/`` (the data parallel training this shards); then this
 file; then ``sharded_dp.py`` (ZeRO-2) and ``zero_redundancy.py`` (torch's name for OSS).
 """
 
