@@ -360,10 +360,6 @@ def _check_consolidated(what: str, n: int, res: list[dict], ref: dict) -> None:
                              "process's: it must come from the parameter's owner, the only rank that stepped it")
 
 
-def _fns(**fns: Callable) -> dict[str, Callable]:
-    return fns
-
-
 def _library() -> dict[str, Any]:
     from .. import zero
     return {"minifsdp.zero.partition_parameters": zero.partition_parameters, "minifsdp.zero.OSS": zero.OSS,
@@ -372,15 +368,20 @@ def _library() -> dict[str, Any]:
             "minifsdp.zero.all_reduce_gradients": zero.all_reduce_gradients}
 
 
+def _learners_own(what: str, **fns: Callable) -> dict[str, Callable]:
+    """``fns``, once none is the blank lab's stub and none is or calls ``minifsdp.zero`` (else a verdict)."""
+    blank(what, **fns)
+    refuse_library(what, fns, _library())
+    return fns
+
+
 def zero1(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Callable,
           consolidate_state: Callable, world_sizes: tuple[int, ...] | None = None) -> None:
     """ZeRO-1 with the learner's four functions at 1, 2 and 4 ranks, against one process and OSS."""
     what = "ZeRO-1"
     world_sizes = world_sizes or _world_sizes(1, 2, 4)
-    fns = _fns(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step,
-               consolidate_state=consolidate_state)
-    blank(what, **fns)
-    refuse_library(what, fns, _library())
+    fns = _learners_own(what, greedy_partition=greedy_partition, local_optimizer=local_optimizer,
+                        zero1_step=zero1_step, consolidate_state=consolidate_state)
     ref = single_process()
     psi_bytes = FP32 * ref["n_params"]
     runs, worst = {}, 0.0
@@ -425,10 +426,8 @@ def zero2(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
     exactly its owned gradients, 2Ψ moved per step; the library's ZeRO-2 measured beside it."""
     what = "ZeRO-2"
     world_sizes = world_sizes or _world_sizes(2, 4)
-    fns = _fns(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step,
-               install_zero2=install_zero2)
-    blank(what, **fns)
-    refuse_library(what, fns, _library())
+    fns = _learners_own(what, greedy_partition=greedy_partition, local_optimizer=local_optimizer,
+                        zero1_step=zero1_step, install_zero2=install_zero2)
     ref = single_process()
     psi_bytes = FP32 * ref["n_params"]
     out: dict[str, Any] = {"learner": {}, "library": {}, "n_params": ref["n_params"]}
@@ -541,8 +540,7 @@ def owner_buckets(pack: Callable[[list[torch.Tensor], list[int], int], list[torc
     a case where some ranks own nothing: layout in parameter order, exactly the owned elements, a round trip
     that writes back in place into the owned tensors only. One process: the layout is pure bookkeeping."""
     what = "owner_buckets"
-    blank(what, owner_buckets=pack, unpack_bucket=unpack)
-    refuse_library(what, {"owner_buckets": pack, "unpack_bucket": unpack}, _library())
+    _learners_own(what, owner_buckets=pack, unpack_bucket=unpack)
     torch.manual_seed(0)
     gpt = [torch.nn.Parameter(torch.randn(p.shape)) for p in models.build_model(MODEL, device="meta").parameters()]
     small = [torch.nn.Parameter(torch.randn(s)) for s in (5, 2)]
