@@ -63,13 +63,15 @@ PRESETS: dict[str, tuple[str, ...]] = {
                "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
                "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
     # Issue 9: activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper.
-    "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
+    "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective",
+                   "tp#full:torch-tp#full"),
     # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
     # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
     # Issue 9: mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a
     # MixedPrecision policy, torch's own on torch's side), side%autocast runs forward under torch.autocast.
     "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
-                  "fsdp#full%bf16:torch-fsdp#full%bf16"),
+                  "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "ddp%bf16:torch-ddp%bf16",
+                  "tp%bf16:torch-tp%bf16"),
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
@@ -201,27 +203,30 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     (514560, 444672, 273152)
     """
     model = models.build_model(model_name)
-    if parse_side(side)[0] in PIPELINE_SIDES:  # point-to-point activations: not a collective formula
+    name, (precision, autocast) = parse_side(side)[0], side_precision(side)
+    # No formula: a pipeline's point-to-point activations; 16-bit traffic beside fp32 (DDP/ZeRO's
+    # gradients and buffers, TP's activations under autocast).
+    tp_autocast = autocast and name in TP_SIDES + TP2D_SIDES
+    if name in PIPELINE_SIDES or (precision != "fp32" and name != "fsdp") or tp_autocast:
         return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
+    config = models.MODEL_PRESETS[model_name]
+    # --checkpoint re-runs each block's forward in backward, its 2 row-parallel all-reduces (2x volume) included
+    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * 2 * config.n_layer * config.n_embd * 4
     if parse_side(side)[0] in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
-        config = models.MODEL_PRESETS[model_name]
         by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size)
+        by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     if parse_side(side)[0] in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
         plan = planner.plan(model_name, batch=batch_size, dp=world_size // 2, tp=2, zero_stage=3)
-        by_op = {}
+        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // (world_size // 2)}
         for ops in plan.comm.values():
             for op, b in ops.items():
                 by_op[op] = by_op.get(op, 0) + b
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     strategy = comm_strategy(side)
-    precision = side_precision(side)[0]
-    if precision != "fp32" and parse_side(side)[0] != "fsdp":  # DDP/ZeRO: 16-bit gradients, fp32 buffers
-        return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
-                "n_params": models.count_parameters(model)}
     units, root = estimate.fsdp_unit_numels(model, (models.Block,))
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     shard = world_size // 2 if strategy == "hybrid_shard" else None

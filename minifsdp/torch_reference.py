@@ -55,7 +55,7 @@ import torch.distributed as tdist
 from . import comm, dist, models, trace
 
 __all__ = ["STRATEGIES", "SHARDING_OPTIONS", "count_collectives", "torch_ddp", "torch_zero1", "torch_fsdp",
-           "torch_fsdp2", "hybrid_groups"]
+           "torch_fsdp2", "hybrid_groups", "mixed_precision_policy"]
 
 
 # --------------------------------------------------------------------------
@@ -153,16 +153,29 @@ def count_collectives() -> Iterator[None]:
             setattr(module, name, original)
 
 
-def _count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+def _count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel, precision: str = "fp32") -> None:
     """Route DDP's bucket all-reduce through Python, where ``count_collectives`` sees it.
 
     torch's ``allreduce_hook`` does what the C++ default does (divide by N,
     all-reduce, return the future); the difference is one Python call per
-    bucket (measured: see bench.py's docstring).
+    bucket (measured: see bench.py's docstring). With ``precision`` bf16/fp16,
+    torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` instead: each bucket
+    cast to 16 bits, divided by N, all-reduced (also through ``dist.all_reduce``,
+    so still counted), cast back -- minifsdp.ddp's ``reduce_dtype``.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
+    hook = {"bf16": _bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}.get(
+        precision, default_hooks.allreduce_hook)
+    ddp_model.register_comm_hook(state=None, hook=hook)
+
+
+def _bf16_compress_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations: none here
+    """torch's ``bf16_compress_hook``, under another name: ``register_comm_hook`` refuses that name
+    unless CUDA 11+ and NCCL 2.10 are present, but gloo all-reduces bf16 on CPU (PLATFORM-NOTES)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
 
 
 # --------------------------------------------------------------------------
@@ -186,7 +199,7 @@ def _ddp(model: torch.nn.Module, cfg: Any) -> torch.nn.parallel.DistributedDataP
     device = dist.device()
     wrapped = TorchDDP(model, device_ids=[device] if device.type == "cuda" else None,
                        bucket_cap_mb=cfg.bucket_cap_mb)
-    _count_ddp_buckets(wrapped)
+    _count_ddp_buckets(wrapped, getattr(cfg, "precision", "fp32"))
     return wrapped
 
 
@@ -262,6 +275,14 @@ def _torch_mixed_precision(cfg: Any) -> Any:
     return MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
 
 
+def mixed_precision_policy(cfg: Any) -> Any:
+    """--precision bf16/fp16 as FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; fp32: the default."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg, "precision", "fp32"))
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+
 def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """torch's FSDP2 (``fully_shard``): each Block, then the root.
 
@@ -277,10 +298,11 @@ def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torc
 
     mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
     reshard = None if cfg.sharding_strategy == "FULL_SHARD" else False
+    mp = mixed_precision_policy(cfg)
     for module in model.modules():
         if isinstance(module, models.Block) and cfg.wrap != "none":
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     return model, _adamw(model.parameters(), cfg)
 
 

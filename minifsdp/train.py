@@ -22,6 +22,16 @@ applies to fsdp and torch-fsdp; torch-fsdp2 takes the first two. HYBRID_SHARD
 on one machine is 2 x (N/2): shard groups of N/2 consecutive ranks,
 replicated twice (at world size 2: shard 1 x replicate 2).
 
+``--precision fp32|bf16|fp16``, ``--autocast`` and ``--checkpoint none|full|selective``
+compose with the strategies (``validate`` names the few exceptions and the fix).
+FSDP-based ones (fsdp, fsdp+tp, torch-fsdp, torch-fsdp2, torch-fsdp+tp) cast parameters
+with their MixedPrecision policy; the others compute under autocast, and DDP/ZeRO
+reduce gradients in the low dtype (torch-ddp/torch-zero1: torch's bf16/fp16 compression
+comm hook). fp16 adds the gradient scaler, so strategies that run their own train step
+(pipelines, torch-tp, torch-fsdp+tp) take bf16 only. Checkpointing wraps every Block,
+or with tensor parallel every split block, after the split and before FSDP; torch-*
+strategies use torch's checkpoint_wrapper.
+
 The parity contract: with the same ``--seed``, ``--model`` and global batch,
 every strategy's ``losses`` in ``metrics.json`` equal ``--strategy single``'s
 within tolerance (tests/test_train.py). ``--batch-size`` is the *global*
@@ -224,12 +234,15 @@ def _tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     dp = cfg.dp if cfg.strategy == "fsdp+tp" else 1
     mesh = initialize_model_parallel(cfg.tp, mesh=DeviceMesh(dp=dp, tp=cfg.tp))
     wrapped = tensor_parallel_gpt(model, sequence_parallel=cfg.sequence_parallel)
+    if cfg.checkpoint != "none":  # the split blocks, before FSDP wraps them (as _fsdp's order)
+        _apply_checkpointing(wrapped, cfg, ParallelBlock)
     if cfg.strategy == "fsdp+tp":
         from .fsdp import FullyShardedDataParallel as FSDP
         from .fsdp import ModuleWrapPolicy, ShardingStrategy
 
         wrapped = FSDP(wrapped, process_group=mesh.get_group("dp"), auto_wrap_policy=ModuleWrapPolicy({ParallelBlock}),
-                       sharding_strategy=ShardingStrategy[cfg.sharding_strategy])
+                       sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+                       mixed_precision=policy_for(cfg.precision))
     wrapped.lm_loss = ParallelGPT.loss  # vocab-parallel: the full logits never exist
     wrapped.data_parallel_rank, wrapped.data_parallel_size = mesh.get_local_rank("dp"), dp
     return wrapped, _adamw(wrapped.parameters(), cfg)
@@ -244,7 +257,9 @@ def _torch_tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     from .tensor_parallel.torch_tp import torch_tensor_parallel_gpt, torch_tp_train_step
 
     wrapped = torch_tensor_parallel_gpt(model, cfg.tp)
-    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped)
+    if cfg.checkpoint != "none":
+        _apply_checkpointing(wrapped, cfg)
+    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped, autocast=lambda: _autocast(cfg, dist.device()))
     wrapped.data_parallel_rank, wrapped.data_parallel_size = 0, 1  # every rank reads the whole batch
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
@@ -256,8 +271,10 @@ def _torch_fsdp_tp(model: torch.nn.Module, cfg: TrainConfig):
 
     from .tensor_parallel.torch_tp import torch_fsdp_tp_gpt, torch_tp_train_step
 
-    wrapped, dp_rank = torch_fsdp_tp_gpt(model, cfg.dp, cfg.tp)
-    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped)
+    wrapped, dp_rank = torch_fsdp_tp_gpt(model, cfg.dp, cfg.tp, mp_policy=torch_reference.mixed_precision_policy(cfg),
+                                         before_shard=functools.partial(_apply_checkpointing, cfg=cfg)
+                                         if cfg.checkpoint != "none" else None)
+    wrapped.train_step = functools.partial(torch_tp_train_step, wrapped, autocast=lambda: _autocast(cfg, dist.device()))
     wrapped.data_parallel_rank, wrapped.data_parallel_size = dp_rank, cfg.dp
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
@@ -311,14 +328,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
-    if cfg.checkpoint != "none" and cfg.strategy in ("tp", "fsdp+tp", "3d"):
+    if cfg.checkpoint != "none" and cfg.strategy == "3d":
         raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
-                         "use it with single, ddp, zero1/2, fsdp or a torch-* strategy")
+                         "use it with another strategy")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if (cfg.precision != "fp32" or cfg.autocast) and cfg.strategy not in PRECISION_STRATEGIES:
         raise ValueError(f"--precision/--autocast are not wired into --strategy {cfg.strategy} yet; use them "
                          f"with {', '.join(PRECISION_STRATEGIES)}")
+    if cfg.precision == "fp16" and cfg.strategy in ("torch-tp", "torch-fsdp+tp"):
+        raise ValueError(f"--strategy {cfg.strategy} runs its own train step without loss scaling, which fp16 "
+                         "needs: use --precision bf16")
     if cfg.strategy in ("pp", "pp+dp", "torch-pp", "3d"):
         _validate_pipeline(cfg)
     if cfg.strategy in ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp", "3d"):
@@ -415,8 +435,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         n_params = models.count_parameters(model)
         if tracker is not None:
             tracker.track_model(model)
-        if cfg.checkpoint != "none":  # checkpoint the blocks, then wrap: PyTorch's recipe order
-            _apply_checkpointing(model, cfg)
+        if cfg.checkpoint != "none" and cfg.strategy not in _CHECKPOINT_IN_BUILDER:
+            _apply_checkpointing(model, cfg)  # checkpoint the blocks, then wrap: PyTorch's recipe order
         with trace.span("wrap"):
             model, optimizer = STRATEGIES[cfg.strategy](model, cfg)
         if tracker is not None:
@@ -443,7 +463,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                         with sync:
                             with trace.span("forward", step=step, micro=m), _autocast(cfg, device):
                                 logits = model(x)  # 16-bit under a policy or autocast: the loss in fp32
-                                loss = loss_fn(logits.float() if cfg.precision != "fp32" else logits, y)
+                                loss = loss_fn(logits.float(), y)  # (a no-op in fp32; vocab-parallel CE too)
                                 loss = loss / cfg.grad_accum
                             with trace.span("backward", step=step, micro=m):
                                 scaler.scale(loss).backward()
@@ -463,15 +483,21 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
             "memory": report, "n_params": n_params}
 
 
-def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """--checkpoint: wrap every Block. full recomputes the whole block in backward; selective keeps
-    its linear layers' outputs and recomputes the rest (minifsdp.checkpoint.selective). torch's
-    strategies get torch's own checkpoint_wrapper, so the benchmark compares like with like."""
+# Tensor parallel replaces each Block by its split (ParallelBlock, or DTensor layers): these builders
+# checkpoint the split blocks themselves, after the split and before any FSDP wrapping.
+_CHECKPOINT_IN_BUILDER = ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp")
+
+
+def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig, block: type = models.Block) -> None:
+    """--checkpoint: wrap every ``block`` (a Block, or tensor parallel's ParallelBlock). full recomputes
+    the whole block in backward; selective keeps its linear layers' outputs and recomputes the rest
+    (minifsdp.checkpoint.selective). torch's strategies get torch's own checkpoint_wrapper, so the
+    benchmark compares like with like."""
     import functools
 
     from .checkpoint import LINEAR_OPS
 
-    if cfg.strategy in torch_reference.STRATEGIES:
+    if cfg.strategy.startswith("torch-"):
         import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ac
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
     else:
@@ -480,16 +506,20 @@ def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> None:
     selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, list(LINEAR_OPS))}
     wrapper = functools.partial(ac.checkpoint_wrapper, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT,
                                 **(selective if cfg.checkpoint == "selective" else {}))
-    ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
-                                      check_fn=lambda m: isinstance(m, models.Block))
+    ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block))
 
 
 # Strategies that take --precision / --autocast (FSDP: a MixedPrecision policy; the others: autocast
 # for compute, and DDP/ZeRO reduce gradients in the low dtype).
-PRECISION_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "torch-fsdp")
+# tp and torch-tp compute under autocast; fsdp+tp and torch-fsdp2 / torch-fsdp+tp cast with their FSDP's policy;
+# torch-ddp / torch-zero1 reduce with torch's bf16/fp16 compression comm hook.
+PRECISION_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp", "torch-ddp", "torch-zero1",
+                        "torch-fsdp", "torch-fsdp2", "torch-tp", "torch-fsdp+tp")
 PRECISION_STRATEGIES += ("pp", "pp+dp", "torch-pp", "3d")  # bf16 autocast around each stage's forward
-_POLICY_STRATEGIES = ("fsdp", "torch-fsdp")          # parameters cast by the wrapper: no autocast needed
-_SHARDED_GRADS = ("zero2", "fsdp", "torch-fsdp")     # each rank holds part of the gradients
+# parameters cast by the wrapper: no autocast needed
+_POLICY_STRATEGIES = ("fsdp", "fsdp+tp", "torch-fsdp", "torch-fsdp2", "torch-fsdp+tp")
+# each rank holds part of the gradients: the scaler's found-inf flag is all-reduced
+_SHARDED_GRADS = ("zero2", "fsdp", "tp", "fsdp+tp", "torch-fsdp", "torch-fsdp2")
 
 
 def _autocast(cfg: TrainConfig, device: torch.device) -> Any:
@@ -642,10 +672,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--prefetch", default="BACKWARD_PRE")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--checkpoint", default="none", choices=["none", "full", "selective"],
-                   help="activation checkpointing of every Block (selective keeps the linear layers' outputs)")
+                   help="activation checkpointing of every Block, or of tensor parallel's split blocks (selective "
+                        "keeps the linear layers' outputs)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="fsdp: MixedPrecision policy; ddp/zero: autocast + gradients reduced in it; fp16 adds "
-                        "the gradient scaler")
+                   help="fsdp, fsdp+tp, torch-fsdp*: MixedPrecision policy; ddp/zero/torch-ddp: autocast + "
+                        "gradients reduced in it; tp, torch-tp: autocast; fp16 adds the gradient scaler")
     p.add_argument("--autocast", action="store_true", help="run forward and loss under torch.autocast")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (pp, pp+dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (pp+dp)")

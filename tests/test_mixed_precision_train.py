@@ -18,11 +18,16 @@ from minifsdp.train import TrainConfig, parse_args, train, validate
 TOL = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
-def _run(tmp_path, strategy, precision="fp32", **kw):
-    cfg = TrainConfig(strategy=strategy, world_size=1 if strategy == "single" else 2, model="gpt-tiny", steps=4,
+def _metrics(tmp_path, strategy, precision="fp32", world_size=None, **kw):
+    world_size = world_size or (1 if strategy == "single" else 2)
+    cfg = TrainConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", steps=4,
                       batch_size=8, seq_len=32, lr=3e-3, precision=precision, out=str(tmp_path / strategy),
                       quiet=True, track_memory=False, write_plots=False, timeout=180, **kw)
-    return train(cfg)["losses"]
+    return train(cfg)
+
+
+def _run(tmp_path, strategy, precision="fp32", **kw):
+    return _metrics(tmp_path, strategy, precision, **kw)["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def test_autocast_flag_on_fsdp_fp32(tmp_path, fp32_single):
 def test_cli_and_bad_input():
     cfg = parse_args(["--strategy", "fsdp", "--precision", "bf16", "--autocast"])
     assert (cfg.precision, cfg.autocast) == ("bf16", True)
-    with pytest.raises(ValueError, match="--precision/--autocast are not wired into --strategy pp"):
-        validate(TrainConfig(strategy="pp", world_size=2, precision="bf16", out="/tmp"))
+    with pytest.raises(ValueError, match="--precision/--autocast are not wired into --strategy ddp-naive"):
+        validate(TrainConfig(strategy="ddp-naive", world_size=2, precision="bf16", out="/tmp"))
     with pytest.raises(ValueError, match="--precision must be one of"):
         validate(TrainConfig(strategy="fsdp", world_size=2, precision="fp8", out="/tmp"))

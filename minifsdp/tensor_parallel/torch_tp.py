@@ -14,8 +14,10 @@ The trainer's ``--strategy torch-tp``; bench pairs it with ``tp``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -63,27 +65,38 @@ def torch_tensor_parallel_gpt(model: models.GPT, tp: int, mesh: object | None = 
     return parallelize_module(model, mesh, plan)
 
 
-def torch_fsdp_tp_gpt(model: models.GPT, dp: int, tp: int) -> tuple[models.GPT, int]:
+def torch_fsdp_tp_gpt(model: models.GPT, dp: int, tp: int, mp_policy: Any = None,
+                      before_shard: Callable[[torch.nn.Module], None] | None = None) -> tuple[models.GPT, int]:
     """torch's 2D recipe: TP over the inner dimension of a (dp, tp) ``init_device_mesh``, then FSDP2's
-    ``fully_shard`` over the outer one, per Block and at the root. Returns the model and this rank's dp index."""
+    ``fully_shard`` over the outer one, per Block and at the root. Returns the model and this rank's dp index.
+
+    torchtitan's order: TP, then ``before_shard(model)`` (e.g. activation checkpointing of the blocks,
+    in place), then FSDP with ``mp_policy`` (a ``MixedPrecisionPolicy``; None: fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(dist.device().type, (dp, tp), mesh_dim_names=("dp", "tp"))
     model = torch_tensor_parallel_gpt(model, tp, mesh["tp"])
+    if before_shard is not None:
+        before_shard(model)
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
     return model, mesh["dp"].get_local_rank()
 
 
-def torch_tp_train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def torch_tp_train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
     """Forward, ``models.lm_loss`` on the vocab-sharded DTensor logits and backward, all inside
-    ``loss_parallel`` (torch requires the backward there too); returns the loss as a plain tensor."""
+    ``loss_parallel`` (torch requires the backward there too); returns the loss as a plain tensor.
+    ``autocast()`` is entered around the forward (e.g. ``torch.autocast``); the loss is taken in fp32."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.reshape(-1))
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1))
         loss.backward()
     loss = loss.detach()
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
