@@ -23,6 +23,20 @@ def _err(a, b):
     return (a - b).abs().max().item()
 
 
+def _saved_beyond(fn, *known):
+    """fn()'s result and the bytes of storages autograd saved for backward while it ran, beyond ``known``'s."""
+    skip, saved = {t.untyped_storage().data_ptr() for t in known}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
 def layer_checks(tp):
     """Each FairScale-style layer vs the full layer: outputs, input gradients, parameter-gradient slices."""
     T.initialize_model_parallel(tp)
@@ -67,7 +81,8 @@ def layer_checks(tp):
     full = torch.nn.Embedding(16, 4)
     emb = T.VocabParallelEmbedding.from_embedding(full)
     ids = torch.randint(0, 16, (3, 7), generator=_gen(4))
-    yf, yp = full(ids), emb(ids)
+    yf = full(ids)
+    yp, errs["emb.saved_beyond_ids"] = _saved_beyond(lambda: emb(ids), ids)  # as torch's: ids only, no mask
     errs["emb.shape"] = float(tuple(emb.weight.shape) != (16 // tp, 4))
     errs["emb.out"] = _err(yp, yf)
     up = torch.randn(yf.shape, generator=_gen(5))
@@ -82,13 +97,16 @@ def layer_checks(tp):
     local = logits.chunk(tp, -1)[r].clone().requires_grad_()
     before = local.detach().clone()
     ref = torch.nn.functional.cross_entropy(lf.reshape(-1, 16), target.reshape(-1), reduction="none").view(3, 7)
-    loss = T.vocab_parallel_cross_entropy(local, target)
+    loss, saved = _saved_beyond(lambda: T.vocab_parallel_cross_entropy(local, target), local, target)
+    errs["ce.saved_beyond_softmax"] = saved - local.numel() * local.element_size()  # no per-token buffers
     errs["ce.out"] = _err(loss, ref)
     errs["ce.inplace"] = _err(local.detach(), before)
     up = torch.randn(3, 7, generator=_gen(8))
     ref.backward(up)
-    loss.backward(up)
+    loss.backward(up, retain_graph=True)
     errs["ce.dlogits"] = _err(local.grad, lf.grad.chunk(tp, -1)[r])
+    loss.backward(up)  # a retained graph runs again: backward left the saved softmax as it was
+    errs["ce.retained"] = _err(local.grad, 2 * lf.grad.chunk(tp, -1)[r])
 
     # a second initialize with the same size is harmless; another size is refused
     mesh = T.get_mesh()

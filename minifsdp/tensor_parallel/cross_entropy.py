@@ -16,7 +16,12 @@ The last two ride in one all-reduce of ``2*b*s`` floats. Backward needs no
 communication: ``dloss/dz_v = softmax_v - [v == t]`` and each rank has its own
 ``softmax_v = exp(z_v - m) / S``.
 
-Unlike FairScale's, the input logits are not modified in place.
+Unlike FairScale's, the input logits are not modified in place. Memory: the
+softmax is computed in place on the one ``(..., V/tp)`` copy the function
+owns and is all it keeps for backward, beside the caller's ``target`` (the
+per-token target mask is recomputed in backward: as torch's ``loss_parallel``,
+no per-token buffer survives the forward); backward scales its one gradient
+buffer in place.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from .. import comm
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
+from .layers import local_vocab_ids
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -41,8 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_reduce(logits_max, op=comm.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)  # a new tensor: the input stays as it was
 
-        outside = (target < start) | (target >= start + vocab_local)
-        local_target = (target - start).masked_fill(outside, 0)
+        local_target, outside = local_vocab_ids(target, start, vocab_local)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp_()  # in place on our own copy: one (..., V/tp) buffer less at the peak
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
@@ -50,16 +55,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_reduce(sums, group=group)
         sum_exp, target_logit = sums[0], sums[1]
 
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)  # softmax, in exp's storage
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), target)  # softmax, in exp's storage
+        ctx.start = start
         return torch.log(sum_exp) - target_logit
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        softmax, target = ctx.saved_tensors
+        local_target, outside = local_vocab_ids(target, ctx.start, softmax.shape[-1])
+        grad = softmax.clone()  # not in place: a retained graph may run backward again
         # subtract 1 at the target, on the rank that owns it
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None
+        return grad.mul_(grad_loss.unsqueeze(-1)), None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -161,6 +161,44 @@ class RowParallelLinear(nn.Module):
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
 
 
+def local_vocab_ids(ids: torch.Tensor, start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``ids`` as rows of the slice ``[start, start + vocab_local)``, 0 where another rank owns them;
+    the mask of those ids). The embedding and the vocab-parallel cross-entropy both need it.
+
+    >>> local_vocab_ids(torch.tensor([0, 5, 3]), 2, 2)     # this rank owns ids 2 and 3
+    (tensor([0, 0, 1]), tensor([ True,  True, False]))
+    """
+    outside = (ids < start) | (ids >= start + vocab_local)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
+class _OwnedRows(torch.autograd.Function):
+    """``weight[ids - start]`` for the ids this rank owns, zeros for the others.
+
+    ``F.embedding`` followed by ``masked_fill`` would keep the shifted ids (int64)
+    and the mask for backward: 9 bytes a token more than torch's DTensor
+    embedding, which keeps only the caller's ids. This keeps only ``ids`` too and
+    recomputes the two in backward (a few integer ops a token); the gradient is
+    the same ``embedding_dense_backward`` autograd would call.
+    """
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, start: int, scale_grad_by_freq: bool) -> torch.Tensor:
+        local, outside = local_vocab_ids(ids, start, weight.shape[0])
+        ctx.save_for_backward(ids)
+        ctx.start, ctx.rows, ctx.scale_grad_by_freq = start, weight.shape[0], scale_grad_by_freq
+        out = F.embedding(local, weight, None, None, 2.0, scale_grad_by_freq, False)
+        return out.masked_fill_(outside.unsqueeze(-1), 0.0)  # rows another rank owns (out is ours to edit)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        local, outside = local_vocab_ids(ids, ctx.start, ctx.rows)
+        grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        grad_weight = torch.ops.aten.embedding_dense_backward(grad, local, ctx.rows, -1, ctx.scale_grad_by_freq)
+        return None, grad_weight, None, None
+
+
 class VocabParallelEmbedding(nn.Module):
     """An embedding table split by vocabulary rows: rank ``r`` owns ids ``[r*V/tp, (r+1)*V/tp)``.
 
@@ -190,10 +228,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer.to(device=emb.weight.device, dtype=emb.weight.dtype)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
-        local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, None, None, 2.0, self.scale_grad_by_freq, False)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # rows another rank owns
+        out = _OwnedRows.apply(input_, self.weight, self.vocab_start_index, self.scale_grad_by_freq)
         return reduce_from_model_parallel_region(out)
 
     def extra_repr(self) -> str:
