@@ -37,6 +37,12 @@ def test_gpt_parity_with_single_process(tp):
             assert errs["loss"] < TOL and errs["grad"] < TOL and errs["param"] < TOL, (rank, mode, errs)
 
 
+def test_fsdp_x_tp_parity_with_single_process():
+    """FSDP x TP (dp 2 x tp 2, FSDP given the mesh): loss, gradients and parameters after 3 AdamW steps."""
+    for rank, errs in enumerate(launch(tp_helpers.fsdp_tp_parity, 4, 2, 2, timeout=180)):
+        assert errs["loss"] < TOL and errs["grad"] < TOL and errs["param"] < TOL, (rank, errs)
+
+
 def test_tracer_counts_tp_and_sp_collectives_per_block():
     b, s, h, tp = 2, 8, 32, 2
     bsh = b * s * h

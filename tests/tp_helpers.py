@@ -253,3 +253,44 @@ def activations_after_forward(tp, sequence_parallel, batch=4, seq=64, **override
         kept = tracker.snapshot("forward")[ACTIVATIONS] - loss.nbytes
     tracker.close()
     return kept
+
+
+def fsdp_tp_parity(dp, tp, steps=3):
+    """FSDP over the dp dimension of a (dp x tp) DeviceMesh (``device_mesh=``), tensor parallel inside, vs the
+    full GPT on the whole batch: global loss, gradient and parameter slices (gathered by summon_full_params)
+    each step and after ``steps`` AdamW steps. Returns the largest differences."""
+    from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+    from minifsdp.mesh import DeviceMesh
+
+    mesh = DeviceMesh(dp=dp, tp=tp)
+    T.initialize_model_parallel(tp, mesh=mesh)
+    full = models.build_model("gpt-tiny", n_head=4)
+    layout = T.tensor_parallel_gpt(models.build_model("gpt-tiny", n_head=4))  # names and slices, never trained
+    model = FSDP(T.tensor_parallel_gpt(full), device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({T.ParallelBlock}))
+    opt_f = torch.optim.AdamW(full.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_p = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    d, rows = mesh.get_local_rank("dp"), 4 // dp
+    errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+
+    def compare(key, grads):
+        expect = T.local_slices(layout, full, grads=grads)
+        with FSDP.summon_full_params(model, with_grads=grads):
+            for name, p in model.named_parameters():
+                name = name.replace("_fsdp_wrapped_module.", "")
+                errs[key] = max(errs[key], _err(p.grad if grads else p.detach(), expect[name]))
+
+    for step in range(steps):
+        data = torch.randint(0, 256, (4, 17), generator=_gen(100 + step))
+        x, y = data[:, :-1], data[:, 1:]
+        lf = models.lm_loss(full(x), y)
+        lp = T.ParallelGPT.loss(model(x[d * rows:(d + 1) * rows]), y[d * rows:(d + 1) * rows])
+        lf.backward()
+        lp.backward()
+        total = lp.detach().clone()
+        torch.distributed.all_reduce(total, group=mesh.get_group("dp"))
+        errs["loss"] = max(errs["loss"], abs(lf.item() - total.item() / dp) / abs(lf.item()))
+        compare("grad", True)
+        opt_f.step(), opt_p.step()
+        opt_f.zero_grad(), opt_p.zero_grad()
+    compare("param", False)
+    return errs
