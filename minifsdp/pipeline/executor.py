@@ -20,12 +20,20 @@ keep its contract for ``step(*args, target=None, losses=None, **kwargs)``:
 deadlock is refused with the cycle named instead of hanging. The loop::
 
     for action in plan.order[my_rank]:         # e.g. 1RECV_F0 1F0 1SEND_F0 ...
-        RECV_*  blocking comm.recv into a fresh buffer
+        RECV_*  comm.recv into a fresh buffer (on gloo posted ahead, see below)
         SEND_*  comm.isend (async: a send never waits, so only receives order ranks)
         F       forward; on the last stage the loss
         B / I   backward (I: input gradient only); the input's gradient goes
                 to the previous stage, in memory when it lives on this rank
         W       weight gradients (zero bubble)
+
+Receives posted ahead (gloo): before a compute action, the receives that
+follow it up to the next compute action are posted with ``comm.irecv`` and
+waited for at their place in the plan, so the transfer runs while this rank
+computes (torch's runtime posts its receives early too). Gloo moves a message
+only once its receive is posted and matches it by tag, so this changes no
+order; NCCL matches a pair's messages in issue order, so there receives stay
+where the validated plan puts them.
 
 Every action is a ``trace`` span (``forward``, ``backward``, ``backward_input``,
 ``backward_weight`` with ``action="1F3"``) so ``plot.pipeline_schedule`` can
@@ -37,6 +45,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as tdist
 
 from .. import comm, trace
 from .plan import Action, Plan
@@ -97,6 +106,7 @@ class PipelineSchedule:
             for st in stages:
                 st.enable_weight_split()
         self._rank = first.group_rank
+        self._recv_ahead = tdist.is_initialized() and tdist.get_backend(first.group) == "gloo"  # see module doc
         # Each local stage's last action that accumulates weight gradients (B, or W): a DDP
         # submodule all-reduces there (stage.py, ``last_backward``).
         self._last_backward = {a.stage: a for a in self._lowered.order[self._rank] if a.kind in ("B", "W")}
@@ -122,12 +132,15 @@ class PipelineSchedule:
             st.clear_runtime_states()
         step_losses: dict[int, torch.Tensor] = {}
         sends: list[tuple[Action, comm.Handle]] = []
-        for a in self._lowered.order[self._rank]:
-            if not has_backward and a.kind in ("B", "I", "W", "SEND_B", "RECV_B"):
-                continue
+        posted: dict[Action, comm.Handle] = {}  # receives posted ahead, waited for at their place
+        skip = () if has_backward else ("B", "I", "W", "SEND_B", "RECV_B")
+        order = [a for a in self._lowered.order[self._rank] if a.kind not in skip]
+        for k, a in enumerate(order):
             sends = [(sa, h) for sa, h in sends if not _finished(h)]  # let sent buffers go as soon as they can
             st = self._stages[a.stage]
-            if a.kind == "RECV_F":
+            if a.kind in ("RECV_F", "RECV_B") and a in posted:
+                posted.pop(a).wait()
+            elif a.kind == "RECV_F":
                 st.recv_activation(a.mb)
             elif a.kind == "RECV_B":
                 st.recv_grad(a.mb)
@@ -136,6 +149,8 @@ class PipelineSchedule:
             elif a.kind == "SEND_B":
                 sends += [(a, h) for h in st.send_grad(a.mb, st.input_grads.pop(a.mb))]
             else:
+                if self._recv_ahead:
+                    self._post_receives(order, k, posted)
                 with trace.span(_SPAN[a.kind], stage=a.stage, mb=a.mb, action=str(a)):
                     self._compute(a, st, arg_mbs, kwarg_mbs, target_mbs, step_losses, return_outputs)
         for _, h in sends:
@@ -154,6 +169,16 @@ class PipelineSchedule:
             for st in self._stages.values():
                 st.clear_runtime_states()
         return out
+
+    def _post_receives(self, order: list[Action], k: int, posted: dict[Action, comm.Handle]) -> None:
+        """Post the receives between compute action ``k`` and the next one (when their shape is known)."""
+        for j in range(k + 1, len(order)):
+            a = order[j]
+            if a.kind in _SPAN:
+                return
+            st = self._stages[a.stage]
+            if a.kind in ("RECV_F", "RECV_B") and a not in posted and st.can_post_recv(a.kind, a.mb):
+                posted[a] = st.recv_activation(a.mb, True) if a.kind == "RECV_F" else st.recv_grad(a.mb, True)
 
     def _compute(self, a: Action, st: PipelineStage, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
                  step_losses: dict[int, torch.Tensor], return_outputs: bool) -> None:

@@ -44,6 +44,9 @@ micro-batch (its backward comes right after its forward anyway), ``never``.
 Messages carry one tensor. The first activation a stage ever sends is preceded
 by a small header (dtype, shape) so the receiver can allocate: shapes are
 inferred at the first step, as torch does when ``input_args`` is not given.
+(torch's stages also pass tuples; a GPT's stages hand over one hidden state,
+and a tuple would need a header, a tag and a returned gradient per element,
+so minifsdp refuses it with a one-line error instead.)
 """
 
 from __future__ import annotations
@@ -324,7 +327,12 @@ class PipelineStage:
                                   tag=self._tag(_ACT, self.stage_index + 1, mb)))
         return handles
 
-    def recv_activation(self, mb: int) -> None:
+    def can_post_recv(self, kind: str, mb: int) -> bool:
+        """Is the receive buffer's shape known yet (to post the receive ahead of time)?"""
+        return self._recv_meta is not None if kind == "RECV_F" else mb in self._saved
+
+    def recv_activation(self, mb: int, async_op: bool = False) -> comm.Handle | None:
+        """Receive micro-batch ``mb``'s input into ``inbox[mb]``; ``async_op``: post it, ``wait()`` later."""
         src = self.rank_of(self.stage_index - 1)
         if self._recv_meta is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
@@ -338,19 +346,21 @@ class PipelineStage:
             self._recv_meta = (dtype, shape)
         dtype, shape = self._recv_meta
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        comm.recv(buf, src, group=self.group, tag=self._tag(_ACT, self.stage_index, mb))
-        self.inbox[mb] = buf
+        self.inbox[mb] = buf  # read by the forward, after the receive completed
+        tag = self._tag(_ACT, self.stage_index, mb)
+        return comm.irecv(buf, src, group=self.group, tag=tag) if async_op else comm.recv(buf, src, self.group, tag)
 
     def send_grad(self, mb: int, grad: torch.Tensor) -> list[comm.Handle]:
         """Send the gradient of micro-batch ``mb``'s input to the previous stage (async)."""
         return [comm.isend(grad.contiguous(), self.rank_of(self.stage_index - 1), group=self.group,
                            tag=self._tag(_GRAD, self.stage_index, mb))]
 
-    def recv_grad(self, mb: int) -> None:
+    def recv_grad(self, mb: int, async_op: bool = False) -> comm.Handle | None:
+        """Receive the gradient of micro-batch ``mb``'s output into ``grad_inbox[mb]`` (``async_op``: post it)."""
         buf = torch.empty_like(self._saved[mb].output)
-        comm.recv(buf, self.rank_of(self.stage_index + 1), group=self.group,
-                  tag=self._tag(_GRAD, self.stage_index + 1, mb))
         self.grad_inbox[mb] = buf
+        src, tag = self.rank_of(self.stage_index + 1), self._tag(_GRAD, self.stage_index + 1, mb)
+        return comm.irecv(buf, src, group=self.group, tag=tag) if async_op else comm.recv(buf, src, self.group, tag)
 
     # ------------------------------------------------------------------ state
     def in_flight(self) -> list[int]:
