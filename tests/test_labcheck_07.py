@@ -7,9 +7,9 @@ the blank lab, on the library's own function, and on two typical mistakes each
 """
 from __future__ import annotations
 
+from labcheck_helpers import blank_fails, fails, load, mistakes_match, solution_passes
 from minifsdp import pipeline
 from minifsdp.labcheck import lab07
-from test_labcheck_00_02 import edits_apply, fails, load
 
 L07 = "07_pipeline_parallel"
 
@@ -21,32 +21,31 @@ BACKWARD_FIRST = (("acts += [f\"{r}F{w + i}\", f\"{r}B{i}\"]", "acts += [f\"{r}B
 W_RIGHT_AFTER_I = (("acts += group + ([f\"{r}W{i - r}\"] if i >= r else [])", "acts += group + [f\"{r}W{i}\"]"),
                    ("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"))
 W_FORGOTTEN = (("acts += [f\"{r}W{i}\" for i in range(max(0, m - r), m)]", "pass"),)
+NO_REVERSE = (("bwd = [f\"{r + (v - 1 - k) * p}B{i}\"", "bwd = [f\"{r + k * p}B{i}\""),)
+BREADTH_FIRST = (("return j // p % v, j // (p * v) * p + j % p", "return j // m % v, j // (m * v) * m + j % m"),
+                 ("w = min(v * m, (v - 1) * p + 2", "w = min(v * m, (v - 1) * m + 2"))
+SHORT_WARMUP = (("w = min(v * m, (v - 1) * p + 2 * (p - 1 - r))", "w = min(v * m, p - 1 - r)"),)
 NO_REQUIRES_GRAD = (("            inputs[i].requires_grad_()\n", ""),)
 NO_LOSSES = (("                losses.append(out.detach())\n", ""),)
 
 
+CHECKS = [(lab07.measured_bubble, ("my_measured_bubble",)), (lab07.one_f_one_b, ("my_1f1b",)),
+          (lab07.interleaved, ("my_interleaved",)), (lab07.zero_bubble, ("my_zero_bubble",)),
+          (lab07.executor, ("my_run_plan",))]
+
+
 def test_mistakes_still_match_the_solution():
-    for edits in (COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, W_RIGHT_AFTER_I, W_FORGOTTEN,
-                  NO_REQUIRES_GRAD, NO_LOSSES):
-        edits_apply(L07, edits)
+    mistakes_match(L07, COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, NO_REVERSE, BREADTH_FIRST,
+                   SHORT_WARMUP, W_RIGHT_AFTER_I, W_FORGOTTEN, NO_REQUIRES_GRAD, NO_LOSSES)
 
 
 def test_solution_passes_every_check(capsys):
-    ns = load(L07)
-    lab07.measured_bubble(ns["my_measured_bubble"])
-    lab07.one_f_one_b(ns["my_1f1b"])
-    lab07.zero_bubble(ns["my_zero_bubble"])
-    lab07.executor(ns["my_run_plan"])
-    out = capsys.readouterr().out
-    assert out.count("✅") == 4 and "yours" in out and "target" in out and "library" in out
+    out = solution_passes(L07, CHECKS, capsys)
+    assert "yours" in out and "target" in out and "library" in out
 
 
 def test_blank_lab_fails_every_check():
-    ns = load(L07, blank=True)
-    fails(lab07.measured_bubble, ns["my_measured_bubble"], words="not written yet")
-    fails(lab07.one_f_one_b, ns["my_1f1b"], words="not written yet")
-    fails(lab07.zero_bubble, ns["my_zero_bubble"], words="not written yet")
-    fails(lab07.executor, ns["my_run_plan"], words="not written yet")
+    blank_fails(L07, CHECKS)
 
 
 def test_measured_bubble_mistakes():
@@ -61,6 +60,14 @@ def test_one_f_one_b_mistakes():
     fails(lab07.one_f_one_b, load(L07, edits=BACKWARD_FIRST)["my_1f1b"],
           words="a backward needs the activations its forward saved")
     fails(lab07.one_f_one_b, pipeline.one_f_one_b, words="library")
+
+
+def test_interleaved_mistakes():
+    fails(lab07.interleaved, load(L07, edits=NO_REVERSE)["my_interleaved"], words="walk the chunks in reverse")
+    fails(lab07.interleaved, load(L07, edits=BREADTH_FIRST)["my_interleaved"], words="go depth first")
+    fails(lab07.interleaved, load(L07, edits=SHORT_WARMUP)["my_interleaved"], words="before 2F0")
+    fails(lab07.interleaved, pipeline.interleaved_1f1b, words="library")
+    fails(lab07.interleaved, load(L07)["my_1f1b"], words="your code raised TypeError")
 
 
 def test_zero_bubble_mistakes():

@@ -1,5 +1,5 @@
-"""Checks of lab 07 (pipeline parallel): the learner's 1F1B and zero-bubble plans, and their
-measured bubble.
+"""Checks of lab 07 (pipeline parallel): the learner's 1F1B, interleaved and zero-bubble plans,
+their executor, and their measured bubble.
 
 A plan is checked the way the library checks its own: ``minifsdp.pipeline.validate``
 (every forward before its backward, every message received, no deadlock), then its
@@ -15,13 +15,14 @@ from typing import Any, Callable
 from .. import estimate, pipeline, trace
 from .verdict import CheckFailed, call, failed, figures, is_library, passed, require_written
 
-__all__ = ["one_f_one_b", "zero_bubble", "measured_bubble", "executor"]
+__all__ = ["one_f_one_b", "interleaved", "zero_bubble", "measured_bubble", "executor"]
 
 SIZES = ((2, 1), (2, 4), (3, 5), (4, 4), (4, 8))  # (p, m), m < p included
+SIZES_V = ((2, 2, 2), (2, 6, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 8, 3))  # (p, m, v), p divides m
 
 
-def _plan(what: str, fn: Callable, p: int, m: int) -> pipeline.Plan:
-    order = call(what, fn, p, m)
+def _plan(what: str, fn: Callable, p: int, m: int, v: int = 1) -> pipeline.Plan:
+    order = call(what, fn, p, m, *((v,) if v > 1 else ()))
     if isinstance(order, pipeline.Plan):
         order = order.order
     if not isinstance(order, dict) or sorted(order) != list(range(p)):
@@ -33,14 +34,14 @@ def _plan(what: str, fn: Callable, p: int, m: int) -> pipeline.Plan:
                   for r, acts in order.items()}
     except ValueError as err:
         failed(what, f"p={p}, m={m}: {err}")
-    return pipeline.Plan("yours", p, m, 1, parsed)
+    return pipeline.Plan("yours", p, m, v, parsed)
 
 
 def _validated(what: str, plan: pipeline.Plan) -> pipeline.Timeline:
     try:
         return pipeline.validate(plan)
     except pipeline.ScheduleError as err:
-        failed(what, f"p={plan.p}, m={plan.m}: {err.problems[0]}")
+        failed(what, f"p={plan.p}, m={plan.m}{f', v={plan.v}' if plan.v > 1 else ''}: {err.problems[0]}")
     raise AssertionError("unreachable")
 
 
@@ -49,7 +50,7 @@ def _library(what: str, fn: Any, *library: Any) -> None:
         failed(what, "that is the library's schedule (minifsdp.pipeline): write the plan yourself")
 
 
-# ------------------------------------------------------------------ exercise 1: 1F1B as data
+# ------------------------------------------------------------------ 1F1B as data
 def one_f_one_b(fn: Callable) -> None:
     """``fn(p, m)`` returns {rank: [actions]} for 1F1B; valid, formula bubble, at most p - r held."""
     what = "1F1B plan"
@@ -76,7 +77,45 @@ def one_f_one_b(fn: Callable) -> None:
            + f"; rank 0 holds {tl.peak_activations[0]:g} micro-batches (GPipe: 8)")
 
 
-# ------------------------------------------------------------------ exercise 2: zero bubble
+# ------------------------------------------------------------------ interleaved 1F1B
+def interleaved(fn: Callable) -> None:
+    """``fn(p, m, v)``: rank r runs stages r, r+p, ...; valid, bubble (p-1)/(v*m+p-1), memory within the library's."""
+    what = "interleaved 1F1B plan"
+    require_written(what, fn)
+    _library(what, fn, pipeline.interleaved_1f1b, pipeline.make_plan)
+    for p, m, v in SIZES_V:
+        plan = _plan(what, fn, p, m, v)
+        if any(a.kind in ("I", "W") for acts in plan.order.values() for a in acts):
+            failed(what, "interleaved 1F1B runs whole backwards (B); I and W belong to the zero-bubble exercise")
+        for r, acts in plan.order.items():
+            first = next((a for a in acts if a.kind == "B"), None)
+            if first is not None and first.stage != r + (v - 1) * p:
+                failed(what, f"p={p}, m={m}, v={v}: rank {r}'s first backward is {first}, but the first gradient to "
+                             f"reach rank {r} is for its last stage, {r + (v - 1) * p}: backwards walk the chunks in "
+                             "reverse")
+        tl = _validated(what, plan)
+        formula = estimate.pipeline_bubble_fraction(p, m, v)
+        if abs(tl.bubble - formula) > 1e-9:
+            failed(what, f"p={p}, m={m}, v={v}: bubble {tl.bubble:.1%} but (p-1)/(v*m+p-1) = {formula:.1%}: some "
+                         "rank waits longer than it must (too short a warm-up stalls on gradients, too long "
+                         "holds forwards back); compare your table with the library's")
+        library = pipeline.interleaved_1f1b(p, m, v).peak_activations()
+        for r, held in tl.peak_activations.items():
+            if held > library[r] + 1e-9:
+                failed(what, f"p={p}, m={m}, v={v}: rank {r} holds {held:g} micro-batches' worth of its layers at "
+                             f"once, the library's plan {library[r]:g}: go depth first (a round of p micro-batches "
+                             "through every stage of the rank before the next round), and start backwards as soon "
+                             "as the first gradient can be back")
+    tl = _validated(what, _plan(what, fn, 4, 8, 2))
+    lib = pipeline.interleaved_1f1b(4, 8, 2)
+    passed(what, f"valid for {len(SIZES_V)} (p, m, v); p=4, m=8, v=2: "
+           + figures("bubble", f"{tl.bubble:.1%}", f"{estimate.pipeline_bubble_fraction(4, 8, 2):.1%}",
+                     f"{lib.bubble():.1%}")
+           + f" (1F1B {pipeline.one_f_one_b(4, 8).bubble():.1%}); rank 0 holds {tl.peak_activations[0]:g} "
+             f"micro-batches' worth (library {lib.peak_activations()[0]:g})")
+
+
+# ------------------------------------------------------------------ zero bubble
 def zero_bubble(fn: Callable) -> None:
     """``fn(p, m)``: I/W split; valid; bubble below 1F1B's and, for m >= p, at ZB-H1's (p-1)/(3m+p-1);
     no rank above 1F1B's peak (p)."""
@@ -111,7 +150,7 @@ def zero_bubble(fn: Callable) -> None:
            + f" (1F1B {pipeline.one_f_one_b(4, 8).bubble():.1%})")
 
 
-# ------------------------------------------------------------------ exercise 3: measured bubble
+# ------------------------------------------------------------------ measured bubble
 def _fake_traces() -> tuple[list[trace.Trace], float]:
     """Two ranks, times in seconds; the answer by hand: window 0..10 s on 2 ranks = 20, busy 4 + 6."""
     def span(name: str, start: float, end: float, kind: str = trace.COMPUTE, **args: Any) -> trace.Span:
@@ -150,7 +189,7 @@ def measured_bubble(fn: Callable) -> None:
     passed(what, figures("hand-made traces", f"{got:.3f}", f"{want:.3f}"))
 
 
-# ------------------------------------------------------------------ exercise 4: an executor
+# ------------------------------------------------------------------ an executor
 _LIBRARY_RUNTIME = ("ScheduleFromPlan", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "forward_one_chunk",
                     "backward_one_chunk")
 _M, _BATCH, _SEQ = 4, 16, 32

@@ -14,16 +14,17 @@
 # **You will be able to**: measure the idle time of naive model parallelism from a
 # trace; explain why micro-batches shrink the bubble to (p-1)/(m+p-1); **write the
 # 1F1B schedule as data** (warm-up, steady state, cool-down) and run it on real ranks
-# with the same gradients as one process; **write a zero-bubble schedule** that splits
-# each backward into input and weight gradients; read interleaved schedules in an
-# explorer; and use `minifsdp.pipeline` exactly like `torch.distributed.pipelining`.
+# with the same gradients as one process; **write interleaved 1F1B** (several stages per
+# rank, depth first); **write a zero-bubble schedule** that splits each backward into
+# input and weight gradients; and use `minifsdp.pipeline` exactly like
+# `torch.distributed.pipelining`.
 #
 # **Prerequisites**: lab 00 (ranks, send/recv), lab 01 (activation memory).
 # **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
 # (2 CPU ranks), the same on a 2-GPU VM.
 #
 # **Exercises**: 1. the measured bubble of a trace · 2. 1F1B as data · 3. an executor that
-# runs your plan · 4. a zero-bubble schedule.
+# runs your plan · 4. interleaved 1F1B · 5. a zero-bubble schedule.
 #
 # Symbols: p = pipeline stages (ranks), m = micro-batches per step, v = stages per rank
 # (interleaved). In plans, `"1F3"` is stage 1's forward of micro-batch 3 (torch's notation).
@@ -68,15 +69,16 @@ def run_pipeline(plans, steps=2, batch=BATCH, track_memory=False):
     out = []
     for plan in plans:
         model = models.build_model(MODEL, seed=0).to(dist.device())
-        stage = PipelineStage(split_gpt(model, p)[rank], rank, p, dist.device())
-        schedule = ScheduleFromPlan([stage], plan, loss_fn=models.lm_loss)
+        parts = split_gpt(model, p * plan.v)             # v stages per rank: rank r holds r, r + p, ...
+        stages = [PipelineStage(parts[s], s, p * plan.v, dist.device()) for s in plan.stages_of(rank)]
+        schedule = ScheduleFromPlan(stages, plan, loss_fn=models.lm_loss)
         for step in range(steps):
-            stage.submod.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             tracer, tracker, losses = trace.Tracer(rank=rank), MemoryTracker(), []
             last = {"target": y, "losses": losses, "return_outputs": False} if rank == p - 1 else {}
             with tracer, (tracker if track_memory and step == steps - 1 else contextlib.nullcontext()):
                 schedule.step(*((x,) if rank == 0 else ()), **last)
-        grads = {n: q.grad.cpu() for n, q in stage.submod.named_parameters()}
+        grads = {n: q.grad.cpu() for st in stages for n, q in st.submod.named_parameters()}
         peak = tracker.peak_by_category["activations"] if track_memory else None
         out.append((tracer.trace, grads, [l.item() for l in losses], peak))
     return out
@@ -322,11 +324,81 @@ for k, m in enumerate(MS):
 #
 # ## 4. Interleaved 1F1B: more, smaller stages per rank
 #
-# Megatron-LM's interleaved schedule gives each rank v stages (rank r holds stages
-# r, r + p, ...): the pipeline is v times deeper but each stage v times shorter, so
-# the warm-up and cool-down shrink: bubble (p-1)/(v·m+p-1), paid for with v times
-# more messages. Move the knobs: the diagram, the bubble and the peak activations
-# come from the plan alone (hatched bars: a rank's second stage).
+# Megatron-LM's interleaved schedule gives each rank v stages: rank r holds stages
+# r, r + p, …, r + (v-1)·p, its **chunks** 0 … v-1. The pipeline is v times deeper but
+# each stage v times shorter, so warm-up and cool-down shrink: bubble (p-1)/(v·m+p-1),
+# paid for with v times more messages.
+#
+# ### Exercise 4: interleaved 1F1B as data
+#
+# Order of a rank's forwards: micro-batches go in **rounds of p**; a rank runs the
+# round's p forwards on chunk 0, then the same p on chunk 1, …, then the next round
+# (depth first: a round reaches the last stage early, so gradients come back early).
+# Its backwards walk the same rounds with the chunks in **reverse** (the last stage's
+# gradients come first). Then the 1F1B pattern: a warm-up of forwards, one forward / one
+# backward, a cool-down. The warm-up must cover the rank's other chunks of the first
+# round plus the trip of the first gradient back to it. Here m is a multiple of p.
+# Target: the formula's bubble, and no rank holding more micro-batches than the
+# library's plan does.
+
+# %%
+def my_interleaved(p: int, m: int, v: int) -> dict[int, list[str]]:
+    """Interleaved 1F1B: rank r runs stages r, r + p, ...; per rank, f"{stage}F{mb}" / f"{stage}B{mb}" actions."""
+    order = {}
+    for r in range(p):
+        # BEGIN SOLUTION
+        # HINT: Number the rank's forwards j = 0 ... v*m - 1 and write which (chunk, micro-batch) the j-th one
+        # HINT: is; the j-th backward is the same with the chunks counted from the last. Then reuse 1F1B's
+        # HINT: warm-up / steady / cool-down loop; too short a warm-up shows up as a backward before its forward.
+        def chunk_and_mb(j):
+            return j // p % v, j // (p * v) * p + j % p
+        fwd = [f"{r + k * p}F{i}" for k, i in map(chunk_and_mb, range(v * m))]
+        bwd = [f"{r + (v - 1 - k) * p}B{i}" for k, i in map(chunk_and_mb, range(v * m))]
+        w = min(v * m, (v - 1) * p + 2 * (p - 1 - r))
+        acts = fwd[:w]
+        for j in range(v * m - w):
+            acts += [fwd[w + j], bwd[j]]
+        order[r] = acts + bwd[v * m - w:]
+        # END SOLUTION
+    return order
+
+
+# %%
+# CHECK: my_interleaved is valid, has the bubble (p-1)/(v*m+p-1) and holds no more than the library's plan
+check.interleaved(my_interleaved)
+
+# %% [markdown]
+# Your plan on paper (`a` = a rank's first stage, `b` its second), then on the ranks: the
+# GPT cut into 2P stages, two per rank, at m = 2P, beside your 1F1B at the same m.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def my_interleaved_plan(p, m, v):
+    return Plan("my interleaved", p, m, v,
+                {r: [Action.parse(a) for a in acts] for r, acts in my_interleaved(p, m, v).items()})
+
+
+print(my_interleaved_plan(4, 8, 2).table())
+print(f"bubble {my_interleaved_plan(4, 8, 2).bubble():.1%}, 1F1B's {make_plan('1f1b', 4, 8).bubble():.1%}")
+
+# %%
+inter_runs = launch(run_pipeline, P, [my_interleaved_plan(P, 2 * P, 2)], timeout=120)
+worst = max(((g - ref[n].grad).norm() / ref[n].grad.norm()).item() for rank_result in inter_runs
+            for n, g in rank_result[0][1].items())
+k = MS.index(2 * P) if 2 * P in MS else None
+print(f"your interleaved 1F1B on {P} ranks (v=2, m={2 * P}): largest relative gradient difference {worst:.1e}; "
+      f"measured bubble {my_measured_bubble([rr[0][0] for rr in inter_runs]):.1%}"
+      + (f", your 1F1B's {my_measured_bubble([rr[k][0] for rr in one_f_runs]):.1%}" if k is not None else ""))
+plot.pipeline_schedule(my_interleaved_plan(P, 2 * P, 2), [rr[0][0] for rr in inter_runs],
+                       title="your interleaved 1F1B: planned (top) and measured (bottom)")
+
+# %% [markdown]
+# *Takeaway: on paper interleaving divides the bubble by v. Measured on CPU the gain is
+# smaller or gone: each stage is half as long but sends as many messages, and a message
+# costs real time here; on GPUs with fast links the paper figure holds better.*
+#
+# Move the knobs of any schedule: the diagram, the bubble and the peak activations come
+# from the plan alone (hatched bars: a rank's second stage).
 
 # %%
 def explore(schedule="interleaved", p=4, m=8, v=2):
@@ -362,7 +434,7 @@ explore("interleaved", p=4, m=8, v=2)
 # stage input *and* to each layer's output; W is `autograd.grad(layer_output,
 # layer.weights, grad)` per layer, which walks only that layer's own nodes.
 #
-# ### Exercise 4: a zero-bubble schedule
+# ### Exercise 5: a zero-bubble schedule
 #
 # Start from 1F1B with each `B` replaced by `I`; every `I` now owes a `W` of the same
 # micro-batch. Place the W's so that the bubble is below 1F1B's while no rank holds more
