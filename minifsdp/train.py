@@ -285,10 +285,13 @@ def _three_d(model: torch.nn.Module, cfg: TrainConfig):
     # into --pp stages whose peers are the mesh's pp group, average gradients over its dp group.
     from .mesh import DeviceMesh
     from .pipeline import PipelineParallel
-    from .tensor_parallel import ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
+    from .tensor_parallel import ParallelBlock, ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
 
     mesh = initialize_model_parallel(cfg.tp, cfg.pp, mesh=DeviceMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp))
-    wrapped = PipelineParallel(tensor_parallel_gpt(model), cfg.pp, cfg.micro_batches, cfg.schedule,
+    split = tensor_parallel_gpt(model)
+    if cfg.checkpoint != "none":  # the split blocks, before the pipeline cuts the model (as _tensor_parallel)
+        _apply_checkpointing(split, cfg, ParallelBlock)
+    wrapped = PipelineParallel(split, cfg.pp, cfg.micro_batches, cfg.schedule,
                                cfg.virtual_stages, dp=cfg.dp, pp_group=mesh.get_group("pp"),
                                dp_group=mesh.get_group("dp") if cfg.dp > 1 else None,
                                loss_fn=ParallelGPT.loss,  # the last stage's head is vocab-parallel
@@ -328,9 +331,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
-    if cfg.checkpoint != "none" and cfg.strategy == "3d":
-        raise ValueError(f"--checkpoint {cfg.checkpoint} is not wired into --strategy {cfg.strategy} yet; "
-                         "use it with another strategy")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if (cfg.precision != "fp32" or cfg.autocast) and cfg.strategy not in PRECISION_STRATEGIES:
@@ -485,7 +485,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
 
 # Tensor parallel replaces each Block by its split (ParallelBlock, or DTensor layers): these builders
 # checkpoint the split blocks themselves, after the split and before any FSDP wrapping.
-_CHECKPOINT_IN_BUILDER = ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp")
+_CHECKPOINT_IN_BUILDER = ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp", "3d")
 
 
 def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig, block: type = models.Block) -> None:

@@ -321,8 +321,8 @@ def test_trainer_bad_input_names_the_fix(tmp_path):
 # The trainer's --checkpoint and --precision on pipelines
 # --------------------------------------------------------------------------
 def test_trainer_checkpoint_and_bf16(tmp_path):
-    """--checkpoint full / selective (every Block wrapped before the cut) keep single's fp32 losses
-    (rel 1e-5); bf16 autocast on pp+dp stays within one bf16 ulp (2^-8, tests/test_mixed_precision_train.py)
+    """--checkpoint full / selective (every Block wrapped before the cut; 3d: every split block) keep
+    single's fp32 losses (rel 1e-5); bf16 autocast on pp+dp stays within one bf16 ulp (2^-8, tests/test_mixed_precision_train.py)
     of fp32 single. fp16 and zero bubble + checkpoint are refused with the fix named."""
     from minifsdp.train import TrainConfig, train, validate
 
@@ -331,7 +331,8 @@ def test_trainer_checkpoint_and_bf16(tmp_path):
     ref = train(TrainConfig(strategy="single", out=str(tmp_path / "single"), **base))["losses"]
     exact = [dict(strategy="pp", world_size=2, pp=2, schedule="1f1b", micro_batches=4, checkpoint="full"),
              dict(strategy="pp", world_size=2, pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
-                  checkpoint="selective")]
+                  checkpoint="selective"),
+             dict(strategy="3d", world_size=8, pp=2, tp=2, dp=2, micro_batches=2, checkpoint="full")]
     for k, kw in enumerate(exact):
         losses = train(TrainConfig(out=str(tmp_path / f"ckpt{k}"), **kw, **base))["losses"]
         assert losses == pytest.approx(ref, rel=TOL), (kw, losses, ref)
