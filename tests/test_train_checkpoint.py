@@ -48,8 +48,8 @@ def test_command_line_and_bad_input(tmp_path):
         parse_args(["--checkpoint", "some"])
     with pytest.raises(ValueError, match="--checkpoint must be none, full or selective"):
         validate(TrainConfig(checkpoint="every-other", out=str(tmp_path)))
-    with pytest.raises(ValueError, match="not wired into --strategy pp"):
-        validate(TrainConfig(strategy="pp", world_size=2, checkpoint="full", out=str(tmp_path)))
+    with pytest.raises(ValueError, match="zero-bubble splits backward .* use --checkpoint none or another schedule"):
+        validate(TrainConfig(strategy="pp", world_size=2, schedule="zero-bubble", checkpoint="full", out=str(tmp_path)))
 
 
 def test_bench_sides_carry_checkpointing(tmp_path):
