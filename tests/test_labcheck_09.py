@@ -2,8 +2,9 @@
 lab and typical mistakes (the solution with one small edit) fail with one sentence."""
 from __future__ import annotations
 
+from labcheck_helpers import blank_fails, fails, load, mistakes_match, solution_passes
+from minifsdp import planner
 from minifsdp.labcheck import lab09
-from test_labcheck_00_02 import edits_apply, fails, load
 
 L09 = "09_putting_it_together"
 
@@ -23,37 +24,58 @@ NO_FILTER = (('sorted((r for r in rows if r["peak"] <= cap_bytes), key=lambda r:
               'sorted(rows, key=lambda r: r["bytes"])'),)
 BYTES_ONCE = (("return 2 * (activations + loss)", "return activations + loss"),)
 NO_LOSS = (("return 2 * (activations + loss)", "return 2 * activations"),)
+NO_DP_ALL_REDUCE = (('''    for q in part.parameters():
+        comm.all_reduce(q.grad, group=mesh.get_group("dp"))
+        q.grad /= dp
+''', ""),)
+SUM_NOT_MEAN = (("        q.grad /= dp\n", ""),)
+WHOLE_BATCH = (("    x, y = x.chunk(dp)[d], y.chunk(dp)[d]\n", ""),)
+ZERO1_SHARDS_GRADS = (("    if zero_stage >= 2:\n        gradients /= dp", "    if zero_stage >= 1:\n        gradients /= dp"),)
+ADAM_ONE_STATE = (("parameters, gradients, optimizer = 4 * n, 4 * n, 8 * n",
+                   "parameters, gradients, optimizer = 4 * n, 4 * n, 4 * n"),)
 TP_ROW = (661504, 2, 32, 256)   # gpt-tiny, tp=2, 8 x 32 tokens: what the tracer records (test_tensor_parallel_train)
 ROWS = [{"name": "ddp", "peak": 5, "bytes": 3}, {"name": "fsdp", "peak": 2, "bytes": 4},
         {"name": "tp", "peak": 3, "bytes": 2}, {"name": "single", "peak": 9, "bytes": 0}]
 ARGS = ("gpt-mini", 8, 64, 4, 28 * 2**20)
 
 
+STATE_ARGS = ("gpt-mini", 8, 64, 4)
+CHECKS = [(lab09.mesh_coords, ("mesh_coords",)), (lab09.mesh_groups, ("mesh_groups",)),
+          (lab09.fsdp_tp, ("fsdp_tp",)), (lab09.pp_dp, ("pp_dp_step",)),
+          (lab09.state_bytes, ("state_bytes",), *STATE_ARGS), (lab09.planned_layout, ("choose_layout",), *ARGS),
+          (lab09.ranking, ("rank_runs",), ROWS, 4), (lab09.tp_bytes, ("tp_bytes_per_step",), *TP_ROW)]
+
+
 def test_mistakes_still_match_the_solution():
-    for edits in (BYTES_ONCE, NO_LOSS, DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY, NO_FILTER):
-        edits_apply(L09, edits)
+    mistakes_match(L09, BYTES_ONCE, NO_LOSS, DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY,
+                   NO_FILTER, NO_DP_ALL_REDUCE, SUM_NOT_MEAN, WHOLE_BATCH, ZERO1_SHARDS_GRADS, ADAM_ONE_STATE)
 
 
 def test_solution_passes_every_check(capsys):
-    ns = load(L09)
-    lab09.mesh_coords(ns["mesh_coords"])
-    lab09.mesh_groups(ns["mesh_groups"])
-    lab09.fsdp_tp(ns["fsdp_tp"])
-    lab09.planned_layout(ns["choose_layout"], *ARGS)
-    lab09.ranking(ns["rank_runs"], ROWS, 4)
-    lab09.tp_bytes(ns["tp_bytes_per_step"], *TP_ROW)
-    out = capsys.readouterr().out
-    assert out.count("✅") == 6 and "predicted" in out
+    assert "predicted" in solution_passes(L09, CHECKS, capsys)
 
 
 def test_blank_lab_fails_every_check():
-    ns = load(L09, blank=True)
-    fails(lab09.mesh_coords, ns["mesh_coords"], words="not written yet")
-    fails(lab09.mesh_groups, ns["mesh_groups"], words="not written yet")
-    fails(lab09.fsdp_tp, ns["fsdp_tp"], words="not written yet")
-    fails(lab09.planned_layout, ns["choose_layout"], *ARGS, words="not written yet")
-    fails(lab09.ranking, ns["rank_runs"], ROWS, 4, words="not written yet")
-    fails(lab09.tp_bytes, ns["tp_bytes_per_step"], *TP_ROW, words="not written yet")
+    blank_fails(L09, CHECKS)
+
+
+def test_pp_dp_mistakes():
+    fails(lab09.pp_dp, load(L09, edits=NO_DP_ALL_REDUCE)["pp_dp_step"], words="all-reduce each gradient over the mesh's dp group")
+    fails(lab09.pp_dp, load(L09, edits=SUM_NOT_MEAN)["pp_dp_step"], words="divide by dp")
+    fails(lab09.pp_dp, load(L09, edits=WHOLE_BATCH)["pp_dp_step"], words="replica d trains on slice d")
+
+    def uses_library(model, mesh, x, y, m):
+        from minifsdp.pipeline import PipelineParallel
+        return PipelineParallel(model, 2, m, dp=2).train_step(x, y)
+    fails(lab09.pp_dp, uses_library, words="build the stage, the schedule and the gradient average yourself")
+
+
+def test_state_bytes_mistakes():
+    fails(lab09.state_bytes, load(L09, edits=ZERO1_SHARDS_GRADS)["state_bytes"], *STATE_ARGS,
+          words="ZeRO-1 keeps them whole")
+    fails(lab09.state_bytes, load(L09, edits=ADAM_ONE_STATE)["state_bytes"], *STATE_ARGS, words="two moments")
+    fails(lab09.state_bytes, lambda n, dp, zero: planner.plan("gpt-tiny", batch=8).memory, *STATE_ARGS,
+          words="write the ZeRO sum yourself")
 
 
 def test_mistakes_fail():

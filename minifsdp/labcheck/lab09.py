@@ -1,7 +1,11 @@
-"""Checks of lab 09 (putting it together): mesh coordinates and groups, a planned layout run for real.
+"""Checks of lab 09 (putting it together): mesh coordinates and groups, FSDP x TP and PP x DP built
+from the mesh, model states per device, a planned layout run for real.
 
 ``mesh_coords`` and ``mesh_groups`` compare the learner's arithmetic with
-``minifsdp.mesh.DeviceMesh`` on several shapes. ``planned_layout`` takes the
+``minifsdp.mesh.DeviceMesh`` on several shapes. ``fsdp_tp`` and ``pp_dp`` run
+the learner's 2D layouts on 4 ranks against one process. ``state_bytes`` holds
+the learner's ZeRO arithmetic against ``estimate`` (the ZeRO paper's formula)
+and the planner. ``planned_layout`` takes the
 learner's choice under a memory cap, checks it against every candidate the
 planner can price, trains it (``minifsdp.train``, memory tracked) and holds
 the prediction against the measurement: peak within 10 %, bytes per step
@@ -13,11 +17,11 @@ from __future__ import annotations
 import tempfile
 from typing import Any, Callable
 
-from .. import planner
+from .. import estimate, planner
 from ..estimate import format_bytes
 from ..mesh import DeviceMesh
 from ..train import TrainConfig, train
-from .verdict import call, failed, figures, is_library, passed, uses
+from .verdict import call, failed, figures, passed, require_written, uses
 
 SHAPES = [(2, 1, 2), (2, 2, 2), (1, 4, 1), (3, 2, 2), (4, 1, 1)]
 TPS = (1, 2, 4)
@@ -25,16 +29,18 @@ ZERO = (0, 3)
 _LIBRARY = ("DeviceMesh", "coords", "groups", "ranks_along", "rank_at")
 
 
-def _not_library(what: str, fn: Any) -> None:
-    names = uses(fn, *_LIBRARY)
-    if is_library(fn) or names:
-        failed(what, f"this asks minifsdp.mesh ({', '.join(names) or fn.__name__}): do the arithmetic yourself")
+def _require_own(what: str, fn: Any, names: tuple[str, ...], fix: str) -> None:
+    """Not the blank lab's stub, not the library's function, and no call to ``names`` in its body."""
+    require_written(what, fn)
+    found = uses(fn, *names)
+    if found:
+        failed(what, f"it calls {found[0]}, the library's: {fix}")
 
 
 def mesh_coords(coords_fn: Callable[[int, int, int, int], dict]) -> None:
     """``coords_fn(rank, dp, pp, tp) -> {"dp": d, "pp": p, "tp": t}`` for every rank of several meshes."""
     what = "mesh coordinates"
-    _not_library(what, coords_fn)
+    _require_own(what, coords_fn, _LIBRARY, "do the arithmetic of minifsdp.mesh yourself")
     for dp, pp, tp in SHAPES:
         mesh = DeviceMesh(dp, pp, tp, build_groups=False)
         for rank in range(mesh.world_size):
@@ -50,7 +56,7 @@ def mesh_coords(coords_fn: Callable[[int, int, int, int], dict]) -> None:
 def mesh_groups(groups_fn: Callable[[str, int, int, int], list]) -> None:
     """``groups_fn(dim, dp, pp, tp)`` -> every group along ``dim``, each a list of ranks."""
     what = "mesh groups"
-    _not_library(what, groups_fn)
+    _require_own(what, groups_fn, _LIBRARY, "do the arithmetic of minifsdp.mesh yourself")
     for dp, pp, tp in SHAPES:
         mesh = DeviceMesh(dp, pp, tp, build_groups=False)
         for dim in ("dp", "pp", "tp"):
@@ -211,3 +217,125 @@ def tp_bytes(bytes_fn: Callable[[int, int, int], int], measured: int, n_layer: i
                      "too: a max per token, then two sums per token")
     failed(what, figures("bytes", got, int(measured), unit="B") + ": per block 4 all-reduces of tokens x hidden "
                  "fp32 values, plus the embedding's and the head's, plus the loss's per-token reductions")
+
+
+# ------------------------------------------------------------------ PP x DP from the mesh
+_PP_DP_LIBRARY = ("PipelineParallel", "pipeline_groups", "_all_reduce_grads", "train_step")
+_PP_DP_M, _PP_DP_BATCH, _PP_DP_SEQ = 2, 8, 32
+
+
+def _pp_dp_worker(step_fn: Callable) -> dict[str, Any]:
+    from .. import data, dist, models, trace
+
+    mesh = DeviceMesh(dp=2, pp=2, tp=1)
+    x, y = (t.to(dist.device()) for t in data.get_batch(0, _PP_DP_BATCH, _PP_DP_SEQ))
+    with trace.Tracer() as tracer:
+        part, losses = step_fn(models.build_model("gpt-tiny", seed=0).to(dist.device()), mesh, x, y, _PP_DP_M)
+    return {"coords": mesh.coords(), "losses": [float(v) for v in losses or []],
+            "grads": {n: None if q.grad is None else q.grad.cpu() for n, q in part.named_parameters()},
+            "params": sum(q.numel() for q in part.parameters()), "bytes": tracer.trace.bytes_by_op()}
+
+
+def pp_dp(step_fn: Callable) -> None:
+    """``step_fn(model, mesh, x, y, m)`` on 4 ranks (dp 2 x pp 2): one-process gradients on every rank, each
+    replica's losses those of its own slice, every gradient all-reduced once over dp."""
+    import torch
+
+    from .. import data, models
+    from .verdict import run
+
+    what = "PP x DP"
+    _require_own(what, step_fn, _PP_DP_LIBRARY, "build the stage, the schedule and the gradient average "
+                                                "yourself from the mesh's groups")
+    outs = run(what, _pp_dp_worker, 4, step_fn, timeout=120)
+    ref = models.build_model("gpt-tiny", seed=0)
+    x, y = data.get_batch(0, _PP_DP_BATCH, _PP_DP_SEQ)
+    models.lm_loss(ref(x), y).backward()
+    want = dict(ref.named_parameters())
+    with torch.no_grad():
+        slices = [[models.lm_loss(ref(xm), ym).item() for xm, ym in zip(xs.chunk(_PP_DP_M), ys.chunk(_PP_DP_M))]
+                  for xs, ys in zip(x.chunk(2), y.chunk(2))]
+        whole = [models.lm_loss(ref(xm), ym).item() for xm, ym in zip(x.chunk(_PP_DP_M), y.chunk(_PP_DP_M))]
+    by_coords = {(o["coords"]["dp"], o["coords"]["pp"]): o for o in outs}
+    worst = 0.0
+    for (d, s), o in sorted(by_coords.items()):
+        for n, g in o["grads"].items():
+            if g is None:
+                failed(what, f"rank dp={d} pp={s}: {n} has no gradient: run the schedule's step on every rank of "
+                             "the pipeline (the first stage with x, the last with target and losses)")
+            err = ((g - want[n].grad).norm() / want[n].grad.norm()).item()
+            if err > 1e-5:
+                twin = by_coords.get((1 - d, s), {}).get("grads", {}).get(n)
+                ratio = (g.norm() / want[n].grad.norm()).item()
+                if twin is not None and not torch.allclose(g, twin):
+                    hint = (f"it differs from the replica dp={1 - d}'s, which holds the same stage: all-reduce each "
+                            "gradient over the mesh's dp group")
+                elif abs(ratio - 2) < 1e-3:
+                    hint = "it is 2 (= dp) times one process's: the all-reduce sums, so divide by dp to average"
+                else:
+                    hint = ("each replica must run its own slice of the batch through its pipeline, and the "
+                            "gradients be averaged over the dp group")
+                failed(what, f"rank dp={d} pp={s}: {n} differs from one process's gradient by {err:.1e} "
+                             f"(relative): {hint}")
+            worst = max(worst, err)
+        if s == 1 and (len(o["losses"]) != _PP_DP_M
+                       or any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(o["losses"], slices[d]))):
+            def same(ref: list[float]) -> bool:
+                return len(o["losses"]) == len(ref) and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(o["losses"], ref))
+            if same(whole):
+                hint = ("every replica ran the whole batch (the average comes out right, but each replica did all "
+                        "the work): replica d trains on slice d of the batch (x.chunk(dp)[d])")
+            elif same(slices[1 - d]):
+                hint = f"those are slice {1 - d}'s: replica d trains on slice d of the batch (x.chunk(dp)[d])"
+            else:
+                hint = "each replica splits its own slice of the batch into the m micro-batches"
+            failed(what, f"replica dp={d}'s last stage returned losses {[round(v, 5) for v in o['losses']]}, one "
+                         f"process gives {[round(v, 5) for v in slices[d]]} for that replica's micro-batches: {hint}")
+    first = by_coords[(0, 0)]
+    target = 2 * 4 * first["params"]  # comm records an all-reduce of S bytes as 2S (reduce-scatter + all-gather)
+    moved = first["bytes"].get("all_reduce", 0)
+    if moved != target:
+        failed(what, figures("rank 0's all-reduce bytes", moved, target, unit="B")
+               + f" (2 x 4 bytes x its stage's {first['params']:,} parameters): all-reduce every gradient of the "
+                 "stage exactly once, over the dp group, with comm.all_reduce")
+    passed(what, f"4 ranks (dp 2 x pp 2), m={_PP_DP_M}: gradients equal one process's on every rank (largest "
+                 f"relative difference {worst:.1e}); rank 0 sent {first['bytes'].get('send', 0):,} B over pp; "
+           + figures("all-reduce over dp", moved, f"2 x 4 x {first['params']:,} = {target:,}", unit="B"))
+
+
+# ------------------------------------------------------------------ model states per device
+_STATE_GRID = [(n, dp, z) for n in (1000, 4099) for dp in (1, 2, 3, 8) for z in (0, 1, 2, 3)]
+_STATE_HINTS = {
+    "optimizer": "the optimizer state is sharded over dp from ZeRO-1 on; fp32 AdamW keeps two moments, "
+                 "8 bytes a parameter",
+    "gradients": "the gradients are sharded over dp from ZeRO-2 on (ZeRO-1 keeps them whole); 4 bytes a parameter",
+    "parameters": "the parameters are sharded over dp only at ZeRO-3 (FSDP); 4 bytes a parameter",
+}
+
+
+def state_bytes(fn: Callable[[int, int, int], dict], model: str, batch: int, seq_len: int, devices: int) -> None:
+    """``fn(n, dp, zero_stage)`` -> bytes of parameters, gradients and optimizer state one device keeps
+    (fp32 AdamW): equal to ``estimate``'s unpadded ZeRO formula; on ``model``'s layouts, to the planner's
+    states within FSDP's padding."""
+    what = "model states per device"
+    _require_own(what, fn, ("model_state_bytes_per_device", "plan"), "write the ZeRO sum yourself")
+    for n, dp, zero in _STATE_GRID:
+        got = call(what, fn, n, dp, zero)
+        if not isinstance(got, dict) or set(got) != set(_STATE_HINTS):
+            failed(what, f"return a dict with keys parameters, gradients, optimizer; got {got!r}")
+        want = estimate.model_state_bytes_per_device(n, dp, zero, padding=False)
+        for k in ("optimizer", "gradients", "parameters"):
+            if abs(float(got[k]) - want[k]) > 1e-6 * want[k]:
+                failed(what, f"n={n:,}, dp={dp}, ZeRO-{zero}: " + figures(k, float(got[k]), want[k], unit="B")
+                       + f": {_STATE_HINTS[k]}")
+    rows = []
+    for dp, tp, zero in ((devices, 1, 0), (devices, 1, 3), (devices // 2, 2, 3)):
+        p = planner.plan(model, batch=batch, seq_len=seq_len, dp=dp, tp=tp, zero_stage=zero)
+        mine = sum(float(v) for v in call(what, fn, p.params_per_device, dp, zero).values())
+        lib = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
+        if abs(mine - lib) > 0.01 * lib:
+            failed(what, f"{model} dp={dp} tp={tp} ZeRO-{zero}: " + figures("states", format_bytes(mine),
+                                                                          format_bytes(lib)) + " (the planner)")
+        rows.append(figures(f"dp{dp} tp{tp} ZeRO-{zero}", format_bytes(mine), format_bytes(lib)))
+    passed(what, f"{len(_STATE_GRID)} (n, dp, stage) exact; {model} states per device against the planner's, "
+                 + "; ".join(rows))

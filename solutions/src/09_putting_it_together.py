@@ -12,15 +12,18 @@
 # table made of this notebook's own measurements.
 #
 # **You will be able to**: place any rank on a (dp × pp × tp) mesh and list its groups;
-# read a layout's memory and traffic from the planner; choose a layout under a memory cap
-# and see the prediction confirmed by a run; rank strategies by what they cost.
+# build FSDP × TP and PP × DP from the mesh's groups; price a layout's model states per
+# device; choose a layout under a memory cap and see the prediction confirmed by a run;
+# rank strategies by what they cost.
 #
-# **Prerequisites**: labs 02-04 (DDP, ZeRO, FSDP) and 08 (tensor parallel).
-# **Time**: about 45 minutes of work; the cells compute for about a minute on a laptop
+# **Prerequisites**: labs 02-04 (DDP, ZeRO, FSDP), 07 (pipeline parallel) and 08 (tensor
+# parallel).
+# **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
 # (runs of 2 and 4 ranks), the same on a GPU VM.
 #
 # **Exercises**: 1. mesh coordinates · 2. mesh groups · 3. FSDP × TP from the mesh ·
-# 4. TP's bytes by hand · 5. choose a layout under a cap · 6. which to choose.
+# 4. PP × DP from the mesh · 5. TP's bytes by hand · 6. model states per device ·
+# 7. choose a layout under a cap · 8. which to choose.
 #
 # **Symbols**: dp, pp, tp = ranks along each mesh dimension; Ψ = parameters; B = batch,
 # T = sequence length.
@@ -30,11 +33,12 @@ import statistics
 import tempfile
 import time
 
-from minifsdp import planner, plot, tensor_parallel, widgets
+from minifsdp import comm, dist, models, planner, plot, tensor_parallel, widgets
 from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 from minifsdp.estimate import format_bytes
 from minifsdp.labcheck import lab09 as check
 from minifsdp.mesh import DeviceMesh
+from minifsdp.pipeline import PipelineStage, Schedule1F1B, split_gpt
 from minifsdp.train import TrainConfig, train
 
 notebook_start = time.perf_counter()
@@ -125,12 +129,52 @@ def fsdp_tp(model, mesh):
 check.fsdp_tp(fsdp_tp)
 
 # %% [markdown]
-# ## 4. Two dimensions at once, measured
+# ## 4. Exercise 4: PP × DP from the mesh
 #
-# The trainer has both: `--strategy fsdp+tp` (what you just built) and `--strategy pp+dp`:
-# two pipelines of two stages, gradients averaged across them. Both reproduce one
-# process's losses. They, and one run of each single technique, give the measurements
-# the last section ranks (`gpt-tiny`, B = 8, T = 32, memory tracked).
+# Now the other 2D layout on `DeviceMesh(dp=2, pp=2)`: two pipelines of two stages. A
+# pipeline's stages talk over the mesh's **pp** group (activations forward, gradients
+# back, lab 07); replica d trains on slice d of the batch (`x.chunk(dp)[d]`); after the
+# step, the ranks that hold the **same stage** average their gradients over the **dp**
+# group (DDP's all-reduce, lab 02, once per step). Build this rank's stage with
+# `split_gpt` and `PipelineStage(..., group=...)`, run `Schedule1F1B` as in lab 07 (the
+# first stage calls `step(x)`, the last `step(target=y, losses=losses)`), then average.
+# Target: one process's gradients on every rank, each gradient all-reduced once.
+
+# %%
+def pp_dp_step(model, mesh, x, y, m):
+    """On this rank: its pipeline stage of ``model``, one 1F1B step of m micro-batches on this replica's
+    slice of (x, y), gradients averaged over the replicas. Returns (stage module, the last stage's losses)."""
+    losses = []
+    # BEGIN SOLUTION
+    # HINT: mesh.get_local_rank / size / get_group give this rank's place, the sizes and the groups. The stage
+    # HINT: index is the pp coordinate. Which group holds the other copies of this stage, and is a sum an average?
+    d, s, pp, dp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), mesh.size("pp"), mesh.size("dp")
+    x, y = x.chunk(dp)[d], y.chunk(dp)[d]
+    part = split_gpt(model, pp)[s]
+    stage = PipelineStage(part, s, pp, dist.device(), group=mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, m, loss_fn=models.lm_loss)
+    last = {"target": y, "losses": losses} if s == pp - 1 else {}
+    schedule.step(*((x,) if s == 0 else ()), **last)
+    for q in part.parameters():
+        comm.all_reduce(q.grad, group=mesh.get_group("dp"))
+        q.grad /= dp
+    # END SOLUTION
+    return part, losses
+
+# %%
+# CHECK: 4 ranks (dp 2 x pp 2): every rank's gradients equal one process's, each replica's losses its own slice's
+check.pp_dp(pp_dp_step)
+
+# %% [markdown]
+# *Takeaway: sends and receives (pp) carry one micro-batch's activations or their gradients,
+# tokens × d values; the all-reduce (dp) carries only the rank's own stage's gradients, 4 bytes
+# a parameter (`comm` records an all-reduce of S bytes as 2S: a reduce-scatter, then an all-gather).*
+#
+# ## 5. Two dimensions at once, measured
+#
+# The trainer has both layouts you just built: `--strategy fsdp+tp` and `--strategy pp+dp`.
+# Both reproduce one process's losses. They, and one run of each single technique, give
+# the measurements the last section ranks (`gpt-tiny`, B = 8, T = 32, memory tracked).
 
 # %%
 RUNS = {"single": dict(strategy="single", world_size=1), "ddp": dict(strategy="ddp", world_size=4),
@@ -156,7 +200,7 @@ measured = {r["name"]: r for r in rows}
 # On 2 CPU cores the step times say little (the ranks share the cores); on GPUs, compare
 # bytes per step with the link: TP's all-reduces are in every layer's critical path.
 #
-# ## 5. Exercise 4: TP's bytes, by hand
+# ## 6. Exercise 5: TP's bytes, by hand
 #
 # Explain the `tp` row to the byte. Per block, attention and MLP each all-reduce their
 # output forward (g) and their input's gradient backward (f); the embedding's g adds one
@@ -180,16 +224,56 @@ def tp_bytes_per_step(n_layer, hidden, tokens):
 check.tp_bytes(tp_bytes_per_step, measured["tp"]["bytes"], 2, 32, 8 * 32)
 
 # %% [markdown]
-# ## 6. Exercise 5: a layout for a model that does not fit
+# ## 7. Exercise 6: the model states of a layout
 #
 # `gpt-mini` (3.3 M parameters), B = 8, T = 64, AdamW in fp32 needs about 73 MiB on one
-# device. Our devices hold 28 MiB each, and there are 4. The planner prices a layout
+# device. Our devices hold 28 MiB each, and there are 4. The **planner** prices a layout
 # without running it: `planner.plan(MODEL, batch=B, seq_len=T, dp=..., tp=...,
 # zero_stage=...)` returns bytes per device by category (`.total_memory` is the peak,
-# `.fits(cap)`) and bytes moved per step by mesh dimension (`.comm`). Try it with the
-# widget, then write `choose_layout`: among tp in 1, 2, 4 (dp = devices / tp) and ZeRO
-# stage 0 or 3 (3 whenever both dp and tp are above 1: FSDP × TP), the layout that fits
-# and moves the fewest bytes per step. The check runs your choice and compares.
+# `.fits(cap)`) and bytes moved per step by mesh dimension (`.comm`).
+#
+# Most of it is the **model states**. tp and pp decide how many parameters a device holds
+# (`.params_per_device`, call it n); dp and the ZeRO stage decide how much of their state
+# it keeps: fp32 AdamW keeps 4 bytes of weight, 4 of gradient and 8 of optimizer state
+# (two moments) per parameter; ZeRO-1 shards the optimizer state over dp, ZeRO-2 the
+# gradients too, ZeRO-3 (FSDP) the parameters too (lab 03). Write the planner's sum.
+
+# %%
+def state_bytes(n, dp, zero_stage):
+    """{"parameters", "gradients", "optimizer"}: bytes one device keeps for n parameters, fp32 AdamW."""
+    # BEGIN SOLUTION
+    # HINT: start from the replicated figures (16 bytes a parameter in all), then divide by dp what the stage shards
+    parameters, gradients, optimizer = 4 * n, 4 * n, 8 * n
+    if zero_stage >= 1:
+        optimizer /= dp
+    if zero_stage >= 2:
+        gradients /= dp
+    if zero_stage >= 3:
+        parameters /= dp
+    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
+    # END SOLUTION
+
+# %%
+# CHECK: every ZeRO stage at dp 1-8 against the ZeRO paper's formula, and gpt-mini's layouts against the planner
+check.state_bytes(state_bytes, MODEL, B, T, DEVICES)
+
+# %% [markdown]
+# Your function on `gpt-mini` over 4 devices: model states per device, every ZeRO stage
+# beside tensor parallel.
+
+# %%
+print(f"{'layout':>16} {'params/dev':>11} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'states':>9}")
+for dp, tp, zero in [(4, 1, 0), (4, 1, 1), (4, 1, 2), (4, 1, 3), (1, 4, 0), (2, 2, 3)]:
+    n = planner.plan(MODEL, batch=B, seq_len=T, dp=dp, tp=tp).params_per_device
+    mine = state_bytes(n, dp, zero)
+    print(f"{f'dp{dp} tp{tp} ZeRO-{zero}':>16} {n:>11,} " + " ".join(
+        f"{format_bytes(mine[k]):>{w}}" for k, w in (("parameters", 11), ("gradients", 10), ("optimizer", 10)))
+          + f" {format_bytes(sum(mine.values())):>9}")
+
+# %% [markdown]
+# *Takeaway: ZeRO-3 and TP both divide the states by 4 here; what differs is what they
+# move per step and whether the activations shrink too.* The planner adds the activations
+# and the collectives; try it with the widget.
 
 # %%
 print(planner.plan(MODEL, batch=B, seq_len=T))
@@ -197,6 +281,13 @@ widgets.planner_widget(MODEL, batch=B, seq_len=T, cap_bytes=CAP)
 
 # %%
 widgets.planner_figure(planner.plan(MODEL, batch=B, seq_len=T, dp=2, tp=2, zero_stage=3), cap_bytes=CAP)
+
+# %% [markdown]
+# ## 8. Exercise 7: a layout for a model that does not fit
+#
+# Write `choose_layout`: among tp in 1, 2, 4 (dp = devices / tp) and ZeRO stage 0 or 3
+# (3 whenever both dp and tp are above 1: FSDP × TP), the layout that fits under the cap
+# and moves the fewest bytes per step. The check runs your choice and compares.
 
 # %%
 def choose_layout(cap_bytes, devices):
@@ -221,9 +312,9 @@ def choose_layout(cap_bytes, devices):
 check.planned_layout(choose_layout, MODEL, B, T, DEVICES, CAP)
 
 # %% [markdown]
-# ## 7. Exercise 6: which to choose
+# ## 9. Exercise 8: which to choose
 #
-# Back to the table of section 4. Given a memory cap per device, which runs would you
+# Back to the table of section 5. Given a memory cap per device, which runs would you
 # keep, and in which order? Return the names of the runs whose measured peak fits, fewest
 # bytes per step first (the cap below is half the single process's peak).
 
@@ -251,6 +342,7 @@ check.ranking(rank_runs, rows, runs["single"]["peak_bytes"][0] / 2)
 #   weights are too big, or FSDP's all-gathers cannot hide behind compute.
 # * **PP** (lab 07): splits the layers into stages; only activations cross stage borders,
 #   so it crosses slow links well; it pays a bubble that shrinks with more micro-batches.
+#   PP × DP (section 4): each replica all-reduces only its own stage's gradients.
 # * Combined: TP inside a node × PP across a few nodes × DP/FSDP over the rest, which is
 #   the mesh of section 2. The planner tells what fits before anything runs; the tracer and
 #   the memory tracker tell whether it did.
