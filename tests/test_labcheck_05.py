@@ -29,7 +29,7 @@ def notebook(blank: bool = False, old: str = "", new: str = "") -> dict:
     cells = [c.source for c in nbt.parse_source(text, SOURCE.name) if c.cell_type == "code"]
     ns: dict = {"__name__": "__main__"}
     for i, src in enumerate(cells):
-        if i and "# BEGIN SOLUTION" not in src and "class LossScaler" not in src:
+        if i and "# BEGIN SOLUTION" not in src and "class LossScaler" not in src or "def one_overflow_step" in src:
             continue
         src = nbt.make_lab_source(src)[0] if blank and "# BEGIN SOLUTION" in src else src.replace(old, new)
         exec(compile(src, f"<05 cell {i}>", "exec"), ns)
@@ -49,15 +49,18 @@ def test_solution_passes_every_check(capsys):
     lab05.underflow(ns["underflow_fraction"])
     lab05.scaler_rules(ns["unscale_"], ns["update_scale"])
     lab05.rescue(ns["fp16_train_step"], ns["LossScaler"])
+    lab05.sharded_step(ns["sharded_scaler_step"], ns["LossScaler"])
     lab05.policy_bytes(ns["policy_bytes"])
     out = capsys.readouterr().out
-    assert out.count("✅") == 5, out   # underflow, unscale + update (scaler_rules), rescue, bytes
+    assert out.count("✅") == 6, out   # underflow, unscale + update (scaler_rules), rescue, sharded step, bytes
+    assert "steps skipped on every rank: yours [3, 7, 8], target [3, 7, 8], library [3, 7, 8]" in out, out
 
 
 def test_blank_lab_is_not_written_yet():
     ns = notebook(blank=True)
     for check, args in ((lab05.underflow, ["underflow_fraction"]), (lab05.scaler_rules, ["unscale_", "update_scale"]),
                         (lab05.update, ["update_scale"]), (lab05.rescue, ["fp16_train_step", "LossScaler"]),
+                        (lab05.sharded_step, ["sharded_scaler_step", "LossScaler"]),
                         (lab05.policy_bytes, ["policy_bytes"])):
         assert "not written yet" in verdict(check, *(ns[a] for a in args))
 
@@ -112,3 +115,24 @@ def test_rescue_mistakes(old, new, words):
 ])
 def test_policy_bytes_mistakes(old, new, words):
     assert words in verdict(lab05.policy_bytes, notebook(old=old, new=new)["policy_bytes"])
+
+
+@pytest.mark.parametrize("old, new, words", [
+    # each rank decides alone: rank 0 steps while the last rank skips
+    ("    comm.all_reduce(flag, op=comm.ReduceOp.MAX)", "    pass", "all-reduce the flag (MAX) before deciding"),
+    # MIN: skipped only when every rank overflowed
+    ("op=comm.ReduceOp.MAX", "op=comm.ReduceOp.MIN", "*any* rank overflowed"),
+    # the scale updated with this rank's own flag: the ranks' scales drift apart
+    ("scaler.update(found_inf)\n    return", "scaler.update(mine)\n    return", "update every rank's scaler"),
+])
+def test_sharded_step_mistakes(old, new, words):
+    ns = notebook(old=old, new=new)
+    assert words in verdict(lab05.sharded_step, ns["sharded_scaler_step"], ns["LossScaler"])
+
+
+def test_sharded_step_tells_the_library_from_the_learner():
+    import minifsdp.mixed_precision as mp
+
+    def with_library(shard, opt, scaler):
+        mp.ShardedGradScaler().step(opt)
+    assert "library's ShardedGradScaler" in verdict(lab05.sharded_step, with_library, object)

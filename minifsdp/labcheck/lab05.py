@@ -11,6 +11,9 @@ kernels, never numbers copied from the lab:
   against torch's ``_amp_update_scale_`` and ``minifsdp.mixed_precision.update_scale``;
 * ``rescue``: the learner's fp16 step with their scaler trains gpt-tiny like the
   same loop built on the library's scaler rules, and unlike fp16 without scaling;
+* ``sharded_step``: the learner's step on N ranks of FSDP, an inf written into one
+  rank's gradient shard, against ``ShardedGradScaler`` in the same loop: every rank
+  skips the same steps, holds the same scale, ends with the library's shards;
 * ``policy_bytes``: the learner's bytes per step for four precision policies
   against the tracer's count of a real 2-rank FSDP step.
 
@@ -262,6 +265,102 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
     skipped = sum(1 for a, b in zip([init_scale] + scales, scales) if b < a)
     passed(what, figures(f"{RESCUE_STEPS} steps ({skipped} skipped on overflow), final loss", losses[-1],
                          want_losses[-1]) + f"; fp16 without scaling {unscaled[-1]:.3f}")
+
+
+# ------------------------------------------------------------------ exercise 3b: every rank skips the same step
+SHARDED_STEPS = 10
+SHARDED_INJECT = {3: "last", 7: "first", 8: "every"}   # step -> whose gradient shard gets an inf (a NaN at 7)
+SHARDED_RULE = dict(init_scale=2.0**10, growth_interval=3)
+
+
+def _overflowing(step: int, n: int) -> set[int]:
+    return {"last": {n - 1}, "first": {0}, "every": set(range(n))}.get(SHARDED_INJECT.get(step, ""), set())
+
+
+def _sharded_run(step_fn: Callable[..., Any] | None, scaler_cls: type | None) -> dict[str, Any]:
+    """FSDP gpt-tiny (a unit per Block), a scaled backward per step, an inf written into the planned ranks'
+    shards; the step is the learner's (``step_fn``) or the library's ``ShardedGradScaler`` (None)."""
+    from ..fsdp import FullyShardedDataParallel as FSDP
+    from ..fsdp import ModuleWrapPolicy
+    from ..mixed_precision import ShardedGradScaler
+    n, r = dist.world_size(), dist.rank()
+    model = FSDP(models.build_model("gpt-tiny", seed=0), auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    shard = list(model.parameters())            # this rank's fp32 master shards: what the optimizer steps
+    opt = torch.optim.AdamW(shard, lr=1e-2)
+    scaler = scaler_cls(**SHARDED_RULE) if step_fn else ShardedGradScaler(dist.device(), **SHARDED_RULE)
+    found, stepped, scales = [], [], []
+    for step in range(SHARDED_STEPS):
+        x, y = data.get_batch(step, 4, 16, rank=r, world_size=n)
+        scale = float(scaler.scale) if step_fn else scaler.get_scale()
+        (models.lm_loss(model(x.to(dist.device())), y.to(dist.device())) * scale).backward()
+        if r in _overflowing(step, n):
+            shard[0].grad[0] = math.nan if step == 7 else math.inf
+        before = [p.detach().clone() for p in shard]
+        if step_fn:
+            found.append(bool(step_fn(shard, opt, scaler)))
+            scales.append(float(scaler.scale))
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        opt.zero_grad()
+        stepped.append(not all(torch.equal(a, p) for a, p in zip(before, shard)))
+    return {"found": found, "stepped": stepped, "scales": scales, "shard": [p.detach().cpu() for p in shard]}
+
+
+def _sharded_worker(step_fn: Callable[..., Any], scaler_cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The learner's run, then the library's, on this rank (one launch for both)."""
+    return _sharded_run(step_fn, scaler_cls), _sharded_run(None, None)
+
+
+def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> None:
+    """``sharded_scaler_step(shard, opt, scaler) -> found_inf`` on N ranks of FSDP, an inf on one rank's shard."""
+    what = "every rank skips the same step"
+    require_written(what, sharded_scaler_step)
+    ran = uses(sharded_scaler_step, "GradScaler", "ShardedGradScaler", "unscale_grads_", "_sync_found_inf",
+               "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_")
+    if ran:
+        failed(what, f"it uses the library's {ran[0]}: agree on the flag yourself (your scaler, one all-reduce)")
+    n = dist.lab_world_size(2)
+    yours, library = zip(*run(what, _sharded_worker, n, sharded_scaler_step, LossScaler))
+    want = [not _overflowing(step, n) for step in range(SHARDED_STEPS)]      # stepped?
+    for step in range(SHARDED_STEPS):
+        bad, did = _overflowing(step, n), [res["stepped"][step] for res in yours]
+        if did == [want[step]] * n:
+            continue
+        if not bad:
+            failed(what, f"step {step}: no shard overflowed but rank {did.index(False)} skipped the step")
+        if len(bad) == n:
+            failed(what, f"step {step}: every rank's shard holds an inf/NaN and rank {did.index(True)} still "
+                         "stepped: skip opt.step() when the flag says overflow")
+        who = f"only rank {min(bad)}'s shard overflowed"
+        if any(did[r] for r in bad):
+            failed(what, f"step {step}: {who}, and it stepped anyway: a step is skipped when *any* rank "
+                         "overflowed, so combine the flags with MAX (MIN or an average skips only when all do)")
+        failed(what, f"step {step}: {who}, but rank {did.index(True)} stepped: its own shard was clean, so it "
+                     "never knew; all-reduce the flag (MAX) before deciding, so every rank skips the same step")
+    for r, res in enumerate(yours):
+        if res["found"] != [not w for w in want]:
+            step = next(i for i, (f, w) in enumerate(zip(res["found"], want)) if f == w)
+            failed(what, f"step {step}: rank {r} returned found_inf={res['found'][step]}: return the flag all ranks "
+                         "agreed on")
+        if res["scales"] != yours[0]["scales"]:
+            step = next(i for i, (a, b) in enumerate(zip(res["scales"], yours[0]["scales"])) if a != b)
+            failed(what, f"after step {step} rank 0 holds scale {yours[0]['scales'][step]:g} and rank {r} "
+                         f"{res['scales'][step]:g}: update every rank's scaler with the agreed flag")
+    if yours[0]["scales"] != library[0]["scales"]:
+        failed(what, f"scales {[f'{s:g}' for s in yours[0]['scales']]} differ from ShardedGradScaler's "
+                     f"{[f'{s:g}' for s in library[0]['scales']]}: one unscale_ and one update(found_inf) per step")
+    for r in range(n):
+        diff = max((a - b).abs().max().item() for a, b in zip(yours[r]["shard"], library[r]["shard"]))
+        if not diff == 0.0:
+            failed(what, f"rank {r}'s shard after {SHARDED_STEPS} steps differs from ShardedGradScaler's by {diff:.3g}"
+                         ": unscale the gradients (your scaler's unscale_) before opt.step()")
+    skipped = lambda res: [i for i, s in enumerate(res["stepped"]) if not s]  # noqa: E731
+    passed(what, figures(f"{n} FSDP ranks, an overflow in rank {n - 1}'s shard at step 3, rank 0's at 7, every "
+                         "rank's at 8; steps skipped on every rank",
+                         skipped(yours[0]), [i for i, w in enumerate(want) if not w], skipped(library[0]))
+           + f"; final scale {yours[0]['scales'][-1]:g}, shards equal to ShardedGradScaler's")
 
 
 # ------------------------------------------------------------------ exercise 4: the policy's bytes

@@ -65,12 +65,14 @@ def unscale_grads_(grads: Iterable[torch.Tensor], inv_scale: torch.Tensor) -> to
     >>> unscale_grads_(g, torch.tensor(0.5)).item(), g[0].tolist()
     (1.0, [1.0, 2.0])
     """
-    found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    found_inf = inv_scale.new_zeros(())   # new_*: on the scale's device (a GPU's, under MINIFSDP_FAKE_GPU too)
     with torch.no_grad():
         for g in grads:
-            finite = torch.isfinite(g).all().to(found_inf.device)
+            finite = torch.isfinite(g).all()
+            if finite.device != found_inf.device:   # gradients offloaded to the CPU, the scale on the GPU
+                finite = finite.to(found_inf.device)
             found_inf = torch.maximum(found_inf, (~finite).float())
-            g.mul_(inv_scale.to(g.device))
+            g.mul_(inv_scale if g.device == inv_scale.device else inv_scale.to(g.device))
     return found_inf
 
 
@@ -118,7 +120,9 @@ class GradScaler:
                              f"got {backoff_factor}")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-        self._device = torch.device(device) if device is not None else dist.device()
+        # a torch.device is kept as it is (dist.device()'s own object, which MINIFSDP_FAKE_GPU tells apart)
+        self._device = (device if isinstance(device, torch.device) else torch.device(device) if device is not None
+                        else dist.device())
         if self._device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler: device 'cuda' but CUDA is not available; disabling it", stacklevel=2)
             enabled = False

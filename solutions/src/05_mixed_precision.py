@@ -23,7 +23,8 @@
 # (CPU, 2 `gloo` ranks), less on GPUs.
 #
 # **Exercises**: 1. what underflows · 2. the scaler's two rules (`unscale_`, the update) ·
-# 3. a loss scaler and an fp16 training step with an fp32 master copy · 4. bytes per step by policy.
+# 3. a loss scaler and an fp16 training step with an fp32 master copy, 3b. every rank skips
+# the same step (the sharded scaler's agreement) · 4. bytes per step by policy.
 #
 # **Symbols**: Ψ = the number of parameters; bytes are written 2Ψ (16-bit) and 4Ψ
 # (fp32). S = the loss scale. N = the world size.
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import data, dist, launch, memory, models, trace
+from minifsdp import comm, data, dist, launch, memory, models, trace
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import MixedPrecision, ModuleWrapPolicy
 from minifsdp.labcheck import lab05 as check
@@ -339,6 +340,76 @@ fig
 # with your scaler the fp16 curve lies on the fp32 one (the printed final losses), and
 # the scale grows every 5 clean steps. A run that starts with S too large loses its first
 # steps to overflow and backs off (the check started at 2^36 and printed how many it skipped).
+#
+# ### Exercise 3b: every rank skips the same step
+#
+# Under FSDP (lab 04) or ZeRO-2 (lab 03) the optimizer of rank r steps only rank r's
+# **shard**, with the reduce-scattered gradients of that shard. An overflow lands in some
+# shards and not others: your `unscale_` on rank 0 sees only rank 0's part. If each rank
+# decided alone, the rank that saw the inf would skip while the others step, and their
+# scales would drift apart from then on: different parameters, different scales, one
+# model no more. So the ranks first **agree**: a step is skipped when *any* rank found an
+# overflow.
+#
+# Write `sharded_scaler_step(shard, opt, scaler)`: `shard` is this rank's list of shard
+# parameters (their `.grad` hold the scaled gradients), `opt` steps them, `scaler` is your
+# `LossScaler`. Unscale and check this rank's gradients, make the flag every rank's with
+# one collective (`comm.all_reduce(tensor, op=comm.ReduceOp.…)`, on a tensor on
+# `dist.device()`), step only if no rank overflowed, update the scale with the agreed flag,
+# and return it. The loop around it (forward, scaled backward, `zero_grad`) is given.
+#
+# The check runs your step on 2 ranks of FSDP for 10 steps and writes an inf into the last
+# rank's shard at step 3, a NaN into rank 0's at step 7 and an inf into every shard at step 8.
+# Target: every rank skips exactly those three steps, holds the same scale, and ends with the
+# shards of the library's `ShardedGradScaler` run in the same loop.
+
+# %%
+def sharded_scaler_step(shard: list[torch.Tensor], opt, scaler) -> bool:
+    """Unscale this rank's shard, agree on found_inf with every rank, step unless any overflowed, update."""
+    # BEGIN SOLUTION
+    # HINT: your scaler finds this rank's overflow; a one-element tensor and the reduce op that means "any" make it every rank's.
+    mine = scaler.unscale_([p.grad for p in shard])
+    flag = torch.tensor([float(mine)], device=dist.device())
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX)  # 1 if any rank's shard overflowed
+    found_inf = bool(flag.item())
+    if not found_inf:
+        opt.step()
+    scaler.update(found_inf)
+    return found_inf
+    # END SOLUTION
+
+
+# %%
+# CHECK: on FSDP ranks with an inf in one rank's shard, every rank skips the same steps, like ShardedGradScaler
+check.sharded_step(sharded_scaler_step, LossScaler)
+
+# %% [markdown]
+# Your step on 2 ranks, one step, an inf written into the last rank's shard only: what each
+# rank saw in its own shard, what it returned, whether its shard moved, and its scale.
+
+# %%
+def one_overflow_step():
+    model = FSDP(models.build_model("gpt-tiny", seed=0), auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    shard = list(model.parameters())
+    opt, scaler = torch.optim.AdamW(shard, lr=1e-2), LossScaler(init_scale=2.0**10)
+    x, y = data.get_batch(0, 4, 16, rank=dist.rank(), world_size=dist.world_size())
+    (models.lm_loss(model(x.to(dist.device())), y.to(dist.device())) * scaler.scale).backward()
+    if dist.rank() == dist.world_size() - 1:
+        shard[0].grad[0] = float("inf")
+    own = not all(bool(torch.isfinite(p.grad).all()) for p in shard)
+    before = shard[0].detach().clone()
+    found = sharded_scaler_step(shard, opt, scaler)
+    return own, found, not torch.equal(before, shard[0]), scaler.scale
+
+
+print(f"{'rank':>4} {'own shard overflowed':>21} {'returned found_inf':>19} {'stepped':>8} {'scale':>6}")
+for rank, (own, found, stepped, scale) in enumerate(launch(one_overflow_step, N2, timeout=60)):
+    print(f"{rank:>4} {str(own):>21} {str(found):>19} {str(stepped):>8} {scale:>6g}")
+
+# %% [markdown]
+# Takeaway: rank 0's shard was clean, yet it skipped and backed off with the rank that
+# overflowed: one all-reduce of one number per step keeps the ranks one model. That is
+# what `ShardedGradScaler` adds to `GradScaler` (torch's and minifsdp's).
 #
 # ## 4. The FSDP precision policy: bytes and memory
 #
