@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from minifsdp.checkpoint import ReentrantCheckpointFunction, checkpoint
+from labcheck_helpers import fails, lab_tests, load
 from minifsdp.labcheck import lab06
-from test_labcheck_00_02 import edits_apply, fails, load
 
 L06 = "06_activation_checkpointing"
 
@@ -35,29 +35,13 @@ FORGET_INPUT = (("return plain[\"total\"] - k * (plain[\"per_layer\"] - kept)", 
 IGNORE_K = (("return plain[\"total\"] - k * (plain[\"per_layer\"] - kept)", "return plain[\"total\"]"),)
 
 
-def test_mistakes_still_match_the_solution():
-    for edits in (NO_RNG, NO_ENABLE_GRAD_REENTRANT, PACK_KEEPS_TENSOR, NO_ENABLE_GRAD_HOOKS, SAVE_NOTHING,
-                  SAVE_ALL_MATMULS, NEVER_REUSE, REUSE_LAST_FIRST, FORGET_INPUT, IGNORE_K, MOST_BLOCKS):
-        edits_apply(L06, edits)
-
-
-def test_solution_passes_every_check(capsys):
-    ns = load(L06)
-    lab06.reentrant(ns["ReentrantCheckpoint"])
-    lab06.hooks(ns["checkpoint_with_hooks"])
-    lab06.selective(ns["KeepOutputs"], ns["ReuseOutputs"], ns["keep_expensive"])
-    lab06.predicted_activations(ns["predict_activations"], ns["fewest_checkpointed_blocks"])
-    out = capsys.readouterr().out
-    assert out.count("✅") == 4 and "yours" in out and "target" in out
-
-
-def test_blank_lab_fails_every_check():
-    ns = load(L06, blank=True)
-    fails(lab06.reentrant, ns["ReentrantCheckpoint"], words="not written yet")
-    fails(lab06.hooks, ns["checkpoint_with_hooks"], words="not written yet")
-    fails(lab06.selective, ns["KeepOutputs"], ns["ReuseOutputs"], ns["keep_expensive"], words="not written yet")
-    fails(lab06.predicted_activations, ns["predict_activations"], ns["fewest_checkpointed_blocks"],
-          words="not written yet")
+CHECKS = [(lab06.reentrant, ("ReentrantCheckpoint",)), (lab06.hooks, ("checkpoint_with_hooks",)),
+          (lab06.selective, ("KeepOutputs", "ReuseOutputs", "keep_expensive")),
+          (lab06.predicted_activations, ("predict_activations", "fewest_checkpointed_blocks"))]
+MISTAKES = (NO_RNG, NO_ENABLE_GRAD_REENTRANT, PACK_KEEPS_TENSOR, NO_ENABLE_GRAD_HOOKS, SAVE_NOTHING,
+            SAVE_ALL_MATMULS, NEVER_REUSE, REUSE_LAST_FIRST, FORGET_INPUT, IGNORE_K, MOST_BLOCKS)
+test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistakes_still_match_the_solution = \
+    lab_tests(L06, CHECKS, MISTAKES, words=("yours", "target"))
 
 
 def test_reentrant_mistakes():

@@ -7,7 +7,7 @@ the blank lab, on the library's own function, and on two typical mistakes each
 """
 from __future__ import annotations
 
-from labcheck_helpers import blank_fails, fails, load, mistakes_match, solution_passes
+from labcheck_helpers import fails, lab_tests, load
 from minifsdp import pipeline
 from minifsdp.labcheck import lab07
 
@@ -32,20 +32,10 @@ NO_LOSSES = (("                losses.append(out.detach())\n", ""),)
 CHECKS = [(lab07.measured_bubble, ("my_measured_bubble",)), (lab07.one_f_one_b, ("my_1f1b",)),
           (lab07.interleaved, ("my_interleaved",)), (lab07.zero_bubble, ("my_zero_bubble",)),
           (lab07.executor, ("my_run_plan",))]
-
-
-def test_mistakes_still_match_the_solution():
-    mistakes_match(L07, COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, NO_REVERSE, BREADTH_FIRST,
-                   SHORT_WARMUP, W_RIGHT_AFTER_I, W_FORGOTTEN, NO_REQUIRES_GRAD, NO_LOSSES)
-
-
-def test_solution_passes_every_check(capsys):
-    out = solution_passes(L07, CHECKS, capsys)
-    assert "yours" in out and "target" in out and "library" in out
-
-
-def test_blank_lab_fails_every_check():
-    blank_fails(L07, CHECKS)
+MISTAKES = (COUNTS_STEP_SPAN, ONE_RANK_WINDOW, LONG_WARMUP, BACKWARD_FIRST, NO_REVERSE, BREADTH_FIRST,
+            SHORT_WARMUP, W_RIGHT_AFTER_I, W_FORGOTTEN, NO_REQUIRES_GRAD, NO_LOSSES)
+test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistakes_still_match_the_solution = \
+    lab_tests(L07, CHECKS, MISTAKES, words=("yours", "target", "library"))
 
 
 def test_measured_bubble_mistakes():

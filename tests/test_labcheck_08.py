@@ -2,9 +2,9 @@
 blank lab and typical mistakes (the solution with one small edit) fail with one sentence."""
 from __future__ import annotations
 
+from labcheck_helpers import fails, lab_tests, load
 from minifsdp import tensor_parallel as tpl
 from minifsdp.labcheck import lab08
-from test_labcheck_00_02 import edits_apply, fails, load
 
 L08 = "08_tensor_parallel"
 
@@ -38,32 +38,15 @@ UNMASKED_TARGET = (("target_logit = torch.where(mine, shifted.gather(-1, local_t
                     "target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)"),)
 
 
-def test_mistakes_still_match_the_solution():
-    for edits in (NO_MASK, ATTN_BIAS_BEFORE_G, GATHER_BATCH, GATHER_BACKWARD_SLICES, F_BACKWARD_LOCAL, G_BACKWARD_REDUCES, G_IN_PLACE, BIAS_BEFORE_G, NO_F, CONTIGUOUS_QKV,
-                  QKV_WRONG_ORDER, OWN_MAX, UNMASKED_TARGET):
-        edits_apply(L08, edits)
-
-
-def test_solution_passes_every_check(capsys):
-    ns = load(L08)
-    lab08.f_and_g(ns["CopyToTP"], ns["ReduceFromTP"])
-    lab08.parallel_mlp(ns["ParallelMLP"])
-    lab08.qkv_shard(ns["shard_qkv"])
-    lab08.parallel_attention(ns["ParallelAttention"])
-    lab08.vocab_parallel_loss(ns["vocab_parallel_loss"])
-    lab08.sequence_parallel_ops(ns["GatherSequence"], ns["ReduceScatterSequence"])
-    out = capsys.readouterr().out
-    assert out.count("✅") == 6 and "yours" in out and "target" in out
-
-
-def test_blank_lab_fails_every_check():
-    ns = load(L08, blank=True)
-    fails(lab08.f_and_g, ns["CopyToTP"], ns["ReduceFromTP"], words="not written yet")
-    fails(lab08.parallel_mlp, ns["ParallelMLP"], words="not written yet")
-    fails(lab08.qkv_shard, ns["shard_qkv"], words="not written yet")
-    fails(lab08.vocab_parallel_loss, ns["vocab_parallel_loss"], words="not written yet")
-    fails(lab08.parallel_attention, ns["ParallelAttention"], words="not written yet")
-    fails(lab08.sequence_parallel_ops, ns["GatherSequence"], ns["ReduceScatterSequence"], words="not written yet")
+CHECKS = [(lab08.f_and_g, ("CopyToTP", "ReduceFromTP")), (lab08.parallel_mlp, ("ParallelMLP",)),
+          (lab08.qkv_shard, ("shard_qkv",)), (lab08.parallel_attention, ("ParallelAttention",)),
+          (lab08.vocab_parallel_loss, ("vocab_parallel_loss",)),
+          (lab08.sequence_parallel_ops, ("GatherSequence", "ReduceScatterSequence"))]
+MISTAKES = (NO_MASK, ATTN_BIAS_BEFORE_G, GATHER_BATCH, GATHER_BACKWARD_SLICES, F_BACKWARD_LOCAL,
+            G_BACKWARD_REDUCES, G_IN_PLACE, BIAS_BEFORE_G, NO_F, CONTIGUOUS_QKV, QKV_WRONG_ORDER, OWN_MAX,
+            UNMASKED_TARGET)
+test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistakes_still_match_the_solution = \
+    lab_tests(L08, CHECKS, MISTAKES, words=("yours", "target"))
 
 
 def test_f_and_g_mistakes():

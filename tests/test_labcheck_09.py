@@ -2,7 +2,7 @@
 lab and typical mistakes (the solution with one small edit) fail with one sentence."""
 from __future__ import annotations
 
-from labcheck_helpers import blank_fails, fails, load, mistakes_match, solution_passes
+from labcheck_helpers import fails, lab_tests, load
 from minifsdp import planner
 from minifsdp.labcheck import lab09
 
@@ -30,37 +30,28 @@ NO_DP_ALL_REDUCE = (('''    for q in part.parameters():
 ''', ""),)
 SUM_NOT_MEAN = (("        q.grad /= dp\n", ""),)
 WHOLE_BATCH = (("    x, y = x.chunk(dp)[d], y.chunk(dp)[d]\n", ""),)
-ZERO1_SHARDS_GRADS = (("    if zero_stage >= 2:\n        gradients /= dp", "    if zero_stage >= 1:\n        gradients /= dp"),)
+ZERO1_SHARDS_GRADS = (("    if zero_stage >= 2:\n        gradients /= dp",
+                       "    if zero_stage >= 1:\n        gradients /= dp"),)
 ADAM_ONE_STATE = (("parameters, gradients, optimizer = 4 * n, 4 * n, 8 * n",
                    "parameters, gradients, optimizer = 4 * n, 4 * n, 4 * n"),)
 TP_ROW = (661504, 2, 32, 256)   # gpt-tiny, tp=2, 8 x 32 tokens: what the tracer records (test_tensor_parallel_train)
 ROWS = [{"name": "ddp", "peak": 5, "bytes": 3}, {"name": "fsdp", "peak": 2, "bytes": 4},
         {"name": "tp", "peak": 3, "bytes": 2}, {"name": "single", "peak": 9, "bytes": 0}]
 ARGS = ("gpt-mini", 8, 64, 4, 28 * 2**20)
-
-
 STATE_ARGS = ("gpt-mini", 8, 64, 4)
 CHECKS = [(lab09.mesh_coords, ("mesh_coords",)), (lab09.mesh_groups, ("mesh_groups",)),
           (lab09.fsdp_tp, ("fsdp_tp",)), (lab09.pp_dp, ("pp_dp_step",)),
           (lab09.state_bytes, ("state_bytes",), *STATE_ARGS), (lab09.planned_layout, ("choose_layout",), *ARGS),
           (lab09.ranking, ("rank_runs",), ROWS, 4), (lab09.tp_bytes, ("tp_bytes_per_step",), *TP_ROW)]
-
-
-def test_mistakes_still_match_the_solution():
-    mistakes_match(L09, BYTES_ONCE, NO_LOSS, DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY,
-                   NO_FILTER, NO_DP_ALL_REDUCE, SUM_NOT_MEAN, WHOLE_BATCH, ZERO1_SHARDS_GRADS, ADAM_ONE_STATE)
-
-
-def test_solution_passes_every_check(capsys):
-    assert "predicted" in solution_passes(L09, CHECKS, capsys)
-
-
-def test_blank_lab_fails_every_check():
-    blank_fails(L09, CHECKS)
+MISTAKES = (BYTES_ONCE, NO_LOSS, DP_FASTEST, GROUP_BY_DIM, FSDP_OVER_WORLD, IGNORE_CAP, LEAST_MEMORY,
+            NO_FILTER, NO_DP_ALL_REDUCE, SUM_NOT_MEAN, WHOLE_BATCH, ZERO1_SHARDS_GRADS, ADAM_ONE_STATE)
+test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistakes_still_match_the_solution = \
+    lab_tests(L09, CHECKS, MISTAKES, words=("predicted",))
 
 
 def test_pp_dp_mistakes():
-    fails(lab09.pp_dp, load(L09, edits=NO_DP_ALL_REDUCE)["pp_dp_step"], words="all-reduce each gradient over the mesh's dp group")
+    fails(lab09.pp_dp, load(L09, edits=NO_DP_ALL_REDUCE)["pp_dp_step"],
+          words="all-reduce each gradient over the mesh's dp group")
     fails(lab09.pp_dp, load(L09, edits=SUM_NOT_MEAN)["pp_dp_step"], words="divide by dp")
     fails(lab09.pp_dp, load(L09, edits=WHOLE_BATCH)["pp_dp_step"], words="replica d trains on slice d")
 
