@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_mixed_precision_train import TOL, _metrics, _run, fp32_single  # noqa: F401  (fp32_single: a fixture)
+from test_mixed_precision_train import TOL, _metrics, fp32_single  # noqa: F401  (fp32_single: a fixture)
 
 from minifsdp import bench
 from minifsdp.train import TrainConfig, validate
@@ -40,12 +40,20 @@ def test_tensor_parallel_checkpointing_is_exact(tmp_path, fp32_single, strategy,
     assert expected["total"] > bench.expected_bytes("gpt-tiny", strategy, world)["total"]
 
 
+def _fsdp_moved_bf16(metrics):
+    """FSDP's parameters gathered and gradients reduce-scattered in bf16: half of fp32's expected bytes."""
+    fp32 = bench.expected_bytes("gpt-tiny", "fsdp+tp", 4)["by_op"]
+    moved = metrics["bytes_per_step"][0]
+    return moved["all_gather"] * 2 == fp32["all_gather"] and moved["reduce_scatter"] * 2 == fp32["reduce_scatter"]
+
+
 @pytest.mark.parametrize("strategy", ["tp", "fsdp+tp"])
 def test_bf16_tracks_fp32_single(tmp_path, fp32_single, strategy):
-    losses = _run(tmp_path, strategy, "bf16", **TP_WORLD.get(strategy, {}))
-    torch.testing.assert_close(losses, fp32_single, atol=0, rtol=TOL["bf16"])
-    assert losses != fp32_single, "it did not compute in bf16"
-    assert losses[-1] < losses[0]
+    m = _metrics(tmp_path, strategy, "bf16", **TP_WORLD[strategy])
+    torch.testing.assert_close(m["losses"], fp32_single, atol=0, rtol=TOL["bf16"])
+    assert m["losses"] != fp32_single, "it did not compute in bf16"
+    assert m["losses"][-1] < m["losses"][0]
+    assert strategy == "tp" or _fsdp_moved_bf16(m)
 
 
 @pytest.mark.parametrize("ours,theirs", [("ddp", "torch-ddp"), ("fsdp", "torch-fsdp2")])
@@ -63,9 +71,10 @@ def test_torchs_bf16_tracks_fp32_single_and_equals_ours(tmp_path, fp32_single, o
 def test_torch_2d_recipe_composes(tmp_path, fp32_single):
     """torch-fsdp+tp in torchtitan's order: DTensor TP, torch's checkpoint_wrapper per block, then
     fully_shard with MixedPrecisionPolicy(bf16); loss and backward under loss_parallel."""
-    losses = _run(tmp_path, "torch-fsdp+tp", "bf16", checkpoint="selective", **TP_WORLD["fsdp+tp"])
-    torch.testing.assert_close(losses, fp32_single, atol=0, rtol=TOL["bf16"])
-    assert losses != fp32_single
+    m = _metrics(tmp_path, "torch-fsdp+tp", "bf16", checkpoint="selective", **TP_WORLD["fsdp+tp"])
+    torch.testing.assert_close(m["losses"], fp32_single, atol=0, rtol=TOL["bf16"])
+    assert m["losses"] != fp32_single
+    assert _fsdp_moved_bf16(m)  # torch's collectives are counted (torch_reference.count_collectives)
 
 
 def test_bench_sides_and_remaining_refusals(tmp_path):
