@@ -62,6 +62,7 @@ from torch import nn
 
 from .. import dist, models
 from ..ddp import DistributedDataParallel
+from ..mesh import DeviceMesh
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                        ScheduleInterleavedZeroBubble)
 from .partition import split_gpt
@@ -75,20 +76,18 @@ APIS = {"minifsdp": "minifsdp.pipeline", "torch": "torch.distributed.pipelining"
 
 
 def pipeline_groups(pp: int, dp: int) -> tuple[tdist.ProcessGroup | None, tdist.ProcessGroup | None]:
-    """This rank's (pipeline group, data-parallel group); every rank builds every group, in order."""
-    world, rank = dist.world_size(), dist.rank()
+    """This rank's (pipeline group, data-parallel group): the pp and dp groups of ``DeviceMesh(dp=dp, pp=pp)``.
+
+    With tp = 1 the mesh's layout is ``rank = d * pp + s``: stage s of replica d (every rank builds
+    every group, in the same order, inside the mesh's constructor).
+    """
+    world = dist.world_size()
     if world != pp * dp:
         raise ValueError(f"world size {world} != pp x dp = {pp} x {dp}: launch {pp * dp} ranks or change --pp / --dp")
     if dp == 1:
         return None, None
-    mine_pp = mine_dp = None
-    for d in range(dp):
-        g = tdist.new_group([d * pp + s for s in range(pp)])
-        mine_pp = g if rank // pp == d else mine_pp
-    for s in range(pp):
-        g = tdist.new_group([d * pp + s for d in range(dp)])
-        mine_dp = g if rank % pp == s else mine_dp
-    return mine_pp, mine_dp
+    mesh = DeviceMesh(dp=dp, pp=pp)
+    return mesh.get_group("pp"), mesh.get_group("dp")
 
 
 class PipelineParallel(nn.Module):
