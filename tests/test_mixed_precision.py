@@ -233,6 +233,32 @@ def test_buffer_dtype_and_forward_input_casts_as_torch():
     assert ours == theirs, f"minifsdp {ours} != torch FSDP1 {theirs}"
 
 
+def _paramless_root_cast(impl):
+    """A root that owns no parameter (every Linear is its own unit), cast_forward_inputs only: the dtype the
+    root's module sees."""
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as Wrapper, MixedPrecision as MP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as Policy
+        extra = {"device_id": torch.device("cpu")}
+    else:
+        Wrapper, MP, Policy, extra = FSDP, MixedPrecision, ModuleWrapPolicy, {}
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    seen = []
+    net.register_forward_pre_hook(lambda m, a: seen.append(str(a[0].dtype)))
+    model = Wrapper(net, auto_wrap_policy=Policy({nn.Linear}), **extra,
+                    mixed_precision=MP(param_dtype=torch.bfloat16, cast_forward_inputs=True,
+                                       cast_root_forward_inputs=False))
+    model(torch.randn(4, 8)).float().sum().backward()
+    return seen
+
+
+def test_cast_forward_inputs_skips_a_root_without_parameters_as_torch():
+    """torch's FSDP1 casts with cast_forward_inputs only in units that own parameters."""
+    ours = launch(_paramless_root_cast, 2, "minifsdp", timeout=120)[0]
+    theirs = launch(_paramless_root_cast, 2, "torch", timeout=120)[0]
+    assert ours == theirs == ["torch.float32"], f"minifsdp {ours}, torch FSDP1 {theirs}"
+
+
 def _fairscale_style(kind):
     from minifsdp.fsdp.wrap import enable_wrap, wrap
 

@@ -264,8 +264,10 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
         if self._forward_prefetch:
             root._prefetch(_next(self, root._prev_fwd_order))
         mp = self.mixed_precision
+        # As torch's FSDP1: cast_forward_inputs acts only in a unit that owns parameters (a handle);
+        # cast_root_forward_inputs acts at the root whether or not it owns any.
         if mp is not None and mp.param_dtype is not None and (
-                mp.cast_forward_inputs or (root is self and mp.cast_root_forward_inputs)):
+                (mp.cast_forward_inputs and self._handles) or (root is self and mp.cast_root_forward_inputs)):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         return args, kwargs
 
