@@ -394,8 +394,8 @@ plot.pipeline_schedule(my_interleaved_plan(P, 2 * P, 2), [rr[0][0] for rr in int
 
 # %% [markdown]
 # *Takeaway: on paper interleaving divides the bubble by v. Measured on CPU the gain is
-# smaller or gone: each stage is half as long but sends as many messages, and a message
-# costs real time here; on GPUs with fast links the paper figure holds better.*
+# smaller: each stage is half as long but sends as many messages, and a message costs real
+# time here; on GPUs with fast links the measured figure sits closer to the paper's.*
 #
 # Move the knobs of any schedule: the diagram, the bubble and the peak activations come
 # from the plan alone (hatched bars: a rank's second stage).
