@@ -33,7 +33,7 @@ from typing import Any
 from . import estimate
 from .models import MODEL_PRESETS, GPTConfig
 
-__all__ = ["Plan", "plan", "tp_param_counts", "tp_comm_bytes"]
+__all__ = ["Plan", "plan", "tp_param_counts", "tp_comm_bytes", "pp_comm_bytes"]
 
 _PRECISION = {"fp32": (4, False), "bf16": (2, True), "fp16": (2, True)}
 
@@ -74,6 +74,24 @@ def tp_comm_bytes(config: GPTConfig, tokens: int, tp: int, sequence_parallel: bo
     final = 2 if config.bias else 1
     return {"all_gather": (4 * L + 2) * N * h * elem, "reduce_scatter": (4 * L + 1) * N * h * elem,
             "all_reduce": 2 * N * h * elem + 2 * (ln_params * L + final) * h * elem * micro_steps + ce}
+
+
+def pp_comm_bytes(config: GPTConfig, tokens: int, stages: int, holds: list[int], elem: int = 4) -> dict[str, int]:
+    """Bytes a pipeline rank holding stages ``holds`` (of ``stages``) sends and receives per step.
+
+    Every cut between stage s and s + 1 carries the ``(tokens, h)`` activations
+    forward and their gradient back, over all micro-batches together: the rank
+    holding s sends ``tokens*h*elem`` and receives as much, and so does the one
+    holding s + 1 (``comm`` records each side's tensor once). A rank holding
+    both sides of a cut moves nothing over it.
+
+    >>> from minifsdp.models import MODEL_PRESETS
+    >>> pp_comm_bytes(MODEL_PRESETS["gpt-tiny"], 8 * 32, 2, [0])   # 256 tokens x 32 x 4 B each way
+    {'send': 32768, 'recv': 32768}
+    """
+    one_way = tokens * config.n_embd * elem
+    cuts = sum((s in holds) != (s + 1 in holds) for s in range(stages - 1))
+    return {"send": cuts * one_way, "recv": cuts * one_way} if cuts else {}
 
 
 @dataclass

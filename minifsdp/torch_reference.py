@@ -129,13 +129,38 @@ def _recording(name: str, original: Callable[..., Any], table: dict = _COUNTED,
     return wrapper
 
 
+def _recording_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.distributed.pipelining``'s ``_batch_p2p(ops)``, recording one span per send or receive.
+
+    torch's pipeline runtime issues every transfer through that one function, as
+    a list of ``P2POp(isend | irecv, tensor, peer)``; ``minifsdp.comm`` records
+    its own ``send`` / ``recv`` the same way (the tensor's bytes, once per side).
+    """
+    @functools.wraps(original)
+    def wrapper(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        works = original(p2p_ops, *args, **kwargs)
+        tracer = trace.active_tracer()
+        for p in p2p_ops if tracer is not None else ():
+            op = "send" if p.op is tdist.isend else "recv"
+            nbytes = p.tensor.numel() * p.tensor.element_size()
+            tracer.add_span(op, trace.COMM, start, time.perf_counter(), **comm.collective_bytes(op, nbytes, 2),
+                            group_size=2, dtype=str(p.tensor.dtype).replace("torch.", ""), numel=p.tensor.numel(),
+                            async_op=True, source="torch")
+        return works
+
+    return wrapper
+
+
 @contextlib.contextmanager
-def count_collectives() -> Iterator[None]:
+def count_collectives(pipelining: bool = False) -> Iterator[None]:
     """Inside: each torch.distributed collective called by Python code leaves a comm span on the active tracer.
 
     Undone on exit, exceptions included. minifsdp's own strategies must not run
     inside (``comm`` calls ``torch.distributed`` too and would be counted twice).
-    The functional collectives (DTensor's) are swapped as well.
+    The functional collectives (DTensor's) are swapped as well, and with
+    ``pipelining`` the point-to-point transfers of ``torch.distributed.pipelining``
+    (opt-in: importing it costs ~2 s a process).
     """
     from torch.distributed import _functional_collectives as funcol
 
@@ -144,6 +169,10 @@ def count_collectives() -> Iterator[None]:
     saved += [(funcol, name, getattr(funcol, name), _recording(name, getattr(funcol, name), _FUNCOL_COUNTED,
                                                                 _funcol_group_size))
               for name in _FUNCOL_COUNTED]
+    if pipelining:
+        from torch.distributed.pipelining import schedules
+
+        saved.append((schedules, "_batch_p2p", schedules._batch_p2p, _recording_p2p(schedules._batch_p2p)))
     try:
         for module, name, _, wrapper in saved:
             setattr(module, name, wrapper)

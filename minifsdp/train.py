@@ -428,8 +428,9 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     tracker = _memory_tracker(cfg, device)
     losses, step_times = [], []
     # torch's strategies do not go through minifsdp.comm: count their collectives here (DTensor's too)
-    counted = (*torch_reference.STRATEGIES, "torch-tp", "torch-fsdp+tp")
-    counter = torch_reference.count_collectives() if cfg.strategy in counted else nullcontext()
+    counted = (*torch_reference.STRATEGIES, "torch-tp", "torch-fsdp+tp", "torch-pp")
+    counter = (torch_reference.count_collectives(pipelining=cfg.strategy == "torch-pp") if cfg.strategy in counted
+               else nullcontext())
     with tracer, tracker or nullcontext(), counter:
         model = models.build_model(cfg.model, seed=cfg.seed).to(device)
         n_params = models.count_parameters(model)

