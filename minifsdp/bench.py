@@ -193,7 +193,9 @@ def comm_strategy(side: str) -> str:
 
 def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int = 8) -> dict[str, Any]:
     """Bytes per step minifsdp's ``side`` moves as ``train.py`` sets it up: ``estimate.comm_bytes_per_step``
-    with this model's FSDP units (wrap=block), buffers, fp32, HYBRID_SHARD as 2 x (N/2).
+    with this model's FSDP units (wrap=block), buffers, HYBRID_SHARD as 2 x (N/2), and ``%bf16``/``%fp16``'s
+    dtypes: FSDP gathers and reduces 16-bit (policy p, p, p); DDP and ZeRO keep fp32 parameters (and
+    buffers) and reduce 16-bit gradients (``reduce_dtype``).
 
     ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's kΨ
     (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
@@ -204,10 +206,10 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     """
     model = models.build_model(model_name)
     name, (precision, autocast) = parse_side(side)[0], side_precision(side)
-    # No formula: a pipeline's point-to-point activations; 16-bit traffic beside fp32 (DDP/ZeRO's
-    # gradients and buffers, TP's activations under autocast).
-    tp_autocast = autocast and name in TP_SIDES + TP2D_SIDES
-    if name in PIPELINE_SIDES or (precision != "fp32" and name != "fsdp") or tp_autocast:
+    # No formula: a pipeline's point-to-point activations; TP's activations under autocast (some
+    # all-reduces 16-bit, some fp32).
+    tp_autocast = (autocast or precision != "fp32") and name in TP_SIDES + TP2D_SIDES
+    if name in PIPELINE_SIDES or tp_autocast:
         return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     config = models.MODEL_PRESETS[model_name]
@@ -230,9 +232,11 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     units, root = estimate.fsdp_unit_numels(model, (models.Block,))
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     shard = world_size // 2 if strategy == "hybrid_shard" else None
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # FSDP's policy
+    low = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = low if name == "fsdp" else torch.float32  # what is gathered / broadcast: FSDP's param_dtype
+    grad_dtype = torch.float32 if name == "ddp-naive" else low  # what is reduced (ddp-naive has no policy)
     by_op = estimate.comm_bytes_per_step(units, world_size, strategy, dtype, root_numel=root, buffer_bytes=buffers,
-                                         shard_size=shard)
+                                         shard_size=shard, grad_dtype=grad_dtype)
     total = by_op.pop("total")
     n_params = sum(units) + root
     paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None

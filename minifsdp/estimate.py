@@ -359,6 +359,7 @@ def comm_bytes_per_step(
     root_numel: int = 0,
     buffer_bytes: int = 0,
     shard_size: int | None = None,
+    grad_dtype: DType | None = None,
 ) -> dict[str, float]:
     """Bytes minifsdp's collectives move per optimizer step and rank, by collective, exactly.
 
@@ -394,6 +395,12 @@ def comm_bytes_per_step(
     * ``hybrid_shard`` needs ``shard_size`` (ranks per shard group, S); the
       replicas all-reduce each rank's padded shard, 2·Ψ/S. S = 1 shards
       nothing: all_reduce 2Ψ.
+    * ``dtype`` is the parameters' (what is gathered or broadcast: FSDP's
+      ``param_dtype``), ``grad_dtype`` the gradients' (what is reduced:
+      ``MixedPrecision.reduce_dtype``; default ``dtype``). DDP and ZeRO with a
+      bf16 ``reduce_dtype`` keep fp32 parameters: ``dtype`` fp32, ``grad_dtype``
+      bf16, so ZeRO-2 reduces Ψ/2 and still broadcasts Ψ. Buffers are counted
+      as given (``buffer_bytes``, in their own dtype).
 
     ``ring=True`` gives what each rank *sends* with ring algorithms instead:
     (G-1)/G of each op's volume, G its group size (``comm``'s ``ring_bytes``).
@@ -406,20 +413,24 @@ def comm_bytes_per_step(
     {'all_gather': 273152, 'reduce_scatter': 171520, 'total': 444672}
     >>> comm_bytes_per_step(42880, 2, "zero2")
     {'reduce': 171520, 'broadcast': 171520, 'total': 343040}
+    >>> comm_bytes_per_step(42880, 2, "zero2", grad_dtype=torch.bfloat16)   # bf16 gradients, fp32 parameters
+    {'reduce': 85760, 'broadcast': 171520, 'total': 257280}
     """
     key, n, b = _comm_strategy(strategy), world_size, dtype_bytes(dtype)
+    g = dtype_bytes(grad_dtype) if grad_dtype is not None else b
     if n < 1:
         raise ValueError(f"world_size must be >= 1, got {n}")
     units = [int(n_params)] if isinstance(n_params, int) else [int(x) for x in n_params]
-    psi = (sum(units) + root_numel) * b
+    numel = sum(units) + root_numel
+    psi, grads = numel * b, numel * g  # parameter bytes Ψ, gradient bytes
     by_op: dict[str, int] = {}
     group = {}  # op -> the size of the group it runs in (for ring=True)
     if n > 1 and key in ("ddp", "zero1", "no_shard"):
-        by_op["all_reduce"] = 2 * psi
+        by_op["all_reduce"] = 2 * grads
         bcast = (psi if key == "zero1" else 0) + (buffer_bytes if key != "no_shard" else 0)
         by_op["broadcast"] = bcast
     elif n > 1 and key == "zero2":
-        by_op.update(reduce=psi, broadcast=psi)
+        by_op.update(reduce=grads, broadcast=psi)
     elif n > 1:  # FSDP's sharded strategies
         if key == "hybrid_shard":
             if shard_size is None or shard_size < 1 or n % shard_size:
@@ -430,15 +441,15 @@ def comm_bytes_per_step(
             if shard_size not in (None, n):
                 raise ValueError(f"shard_size is for hybrid_shard; {key} shards over the whole world ({n})")
             s = n
-        padded = sum(padded_numel(x, s) for x in units) * b
-        padded_root = padded_numel(root_numel, s) * b if root_numel else 0
+        padded_units = sum(padded_numel(x, s) for x in units)
+        padded_all = padded_units + (padded_numel(root_numel, s) if root_numel else 0)
         if s > 1:
             twice = key in ("full_shard", "hybrid_shard")  # resharded after forward: gathered again
-            by_op["all_gather"] = padded + padded_root + (padded if twice else 0)
-            by_op["reduce_scatter"] = padded + padded_root
+            by_op["all_gather"] = (padded_all + (padded_units if twice else 0)) * b
+            by_op["reduce_scatter"] = padded_all * g
             group.update(all_gather=s, reduce_scatter=s)
         if n // s > 1:  # HYBRID: each rank's gradient shard all-reduced across the replicas
-            by_op["all_reduce"] = 2 * (padded + padded_root) // s
+            by_op["all_reduce"] = 2 * padded_all * g // s
             group["all_reduce"] = n // s
     out: dict[str, float] = {op: v for op, v in by_op.items() if v}
     if ring:

@@ -6,11 +6,14 @@ gpt-tiny set up as ``python -m minifsdp.train`` does, in one launch per world
 size. Exact: bytes are integers, and world size 3 pads every FSDP unit
 (12,704 and 17,472 parameters are not multiples of 3). HYBRID_SHARD runs at 2
 and 4 only: train.py lays it out as 2 x (N/2) ranks, so it needs an even world.
+With ``--precision bf16`` DDP, ZeRO-1 and ZeRO-2 reduce bf16 gradients but
+broadcast fp32 parameters and buffers: the same agreement, at 2 and 4 ranks.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minifsdp import bench, estimate, launch, models
 from minifsdp.train import TrainConfig, run_rank
@@ -27,7 +30,7 @@ def _one_step_each(configs: list[TrainConfig]) -> list[dict[str, int]]:
     return [run_rank(cfg)["trace"].bytes_by_op(within="step") for cfg in configs]
 
 
-def _by_hand(side: str, world: int) -> dict[str, int]:
+def _by_hand(side: str, world: int, grad_dtype: torch.dtype | None = None) -> dict[str, int]:
     """estimate's formula, its inputs counted here from the model (no bench code)."""
     model = models.build_model("gpt-tiny")
     units, root = estimate.fsdp_unit_numels(model, (models.Block,))
@@ -35,7 +38,8 @@ def _by_hand(side: str, world: int) -> dict[str, int]:
     strategy = option.lower() if name == "fsdp" else name
     out = estimate.comm_bytes_per_step(units, world, strategy, root_numel=root,
                                        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                                       shard_size=world // 2 if option == "HYBRID_SHARD" else None)
+                                       shard_size=world // 2 if option == "HYBRID_SHARD" else None,
+                                       grad_dtype=grad_dtype)
     out.pop("total")
     return out
 
@@ -53,5 +57,22 @@ def test_tracer_bench_and_estimate_agree_for_every_strategy(world):
         expected = bench.expected_bytes("gpt-tiny", side, world)
         assert _by_hand(side, world) == expected["by_op"], side
         assert sum(expected["by_op"].values()) == expected["total"]
+        for rank, recorded in enumerate(per_rank):
+            assert recorded[i] == expected["by_op"], (side, world, rank, recorded[i], expected["by_op"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_gradients_of_ddp_and_zero_are_predicted_to_the_byte(world):
+    sides = ("ddp", "zero1", "zero2")
+    configs = [TrainConfig(strategy=s, world_size=world, model="gpt-tiny", steps=1, batch_size=world, quiet=True,
+                           track_memory=False, write_plots=False, precision="bf16") for s in sides]
+    per_rank = launch(_one_step_each, world, configs, timeout=180)
+    for i, side in enumerate(sides):
+        expected = bench.expected_bytes("gpt-tiny", side + "%bf16", world)
+        assert _by_hand(side, world, grad_dtype=torch.bfloat16) == expected["by_op"], side
+        fp32 = _by_hand(side, world)
+        reduced = "reduce" if side == "zero2" else "all_reduce"
+        assert expected["by_op"][reduced] * 2 == fp32[reduced], side  # the gradients' bytes halve
+        assert expected["by_op"]["broadcast"] == fp32["broadcast"], side  # fp32 parameters and buffers
         for rank, recorded in enumerate(per_rank):
             assert recorded[i] == expected["by_op"], (side, world, rank, recorded[i], expected["by_op"])

@@ -128,7 +128,7 @@ class FlatParamHandle:
             self._full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
             self._full.untyped_storage().resize_(0)  # sharded at rest
         self._full.requires_grad_(requires_grad)
-        self._pending: tuple[comm.Handle, torch.Tensor] | None = None  # an async all-gather in flight
+        self._pending: comm.Handle | None = None  # an async all-gather in flight
         # use_orig_params=True keeps the original Parameter objects, as views of their piece of the shard
         self.orig_params = unique if use_orig_params else None
         for p in unique:
@@ -253,22 +253,25 @@ class FlatParamHandle:
         if self._pending is None and not self.is_unsharded():
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
             label(self._full, UNSHARDED_PARAMS)
-            src = self.flat_param.detach().to(self.device, self.compute_dtype)  # copy if offloaded / low precision
             # Write through ``.data``: a fresh version counter, so autograd does not
             # mistake the refill for an in-place change of the tensors it saved.
             out = self._full.data
-            if self.shard_size == 1:
-                out.copy_(src)
-            else:
+            # The shard goes straight into its own slot of ``out`` (cast to the compute dtype,
+            # moved if offloaded) and is gathered in place from there, as torch's FSDP2 does.
+            # A separate low-precision copy of the shard (FSDP1's ``_mp_shard``) would stay
+            # alive while a prefetched all-gather is in flight: one shard per unit more memory.
+            mine = self.shard_of(out)
+            mine.copy_(self.flat_param.detach())
+            if self.shard_size > 1:
                 with comm.annotate(unit=self.unit):  # the unit's name on the collective's trace span
-                    handle = comm.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
-                self._pending = (handle, src)  # src must stay alive until the gather is done
+                    handle = comm.all_gather_into_tensor(out, mine, group=self.shard_group, async_op=True)
+                self._pending = handle
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
         if self._pending is not None:
-            self._pending[0].wait()
+            self._pending.wait()
             self._pending = None
 
     def reshard(self) -> None:
@@ -362,8 +365,13 @@ class FlatParamHandle:
                     first = comm.all_reduce(out, group=self.replicate_group, async_op=True)
 
         def finish() -> None:
+            nonlocal first
             if first is not None:
                 first.wait()
+                # The collective's work object may still hold its input, the unsharded gradient
+                # (gloo's does): drop it before the fp32 copy below is made, or a unit's full
+                # gradient and its fp32 shard are alive together (torch frees the former first).
+                first = None
             if self.shard_size > 1 and self.replicate_size > 1 and comm_hook is None:  # HYBRID: across replicas
                 with comm.annotate(unit=self.unit):
                     comm.all_reduce(out, group=self.replicate_group)

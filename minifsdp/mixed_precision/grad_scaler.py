@@ -129,8 +129,10 @@ class GradScaler:
         self._enabled = enabled
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
-        # The scale is a tensor on the device so scale(loss) needs no host sync.
-        self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=self._device)
+        # The scale is a tensor on the device so scale(loss) needs no host sync. A disabled
+        # scaler allocates nothing (as torch's), so memory compares like with like.
+        self._scale = (torch.full((), float(init_scale), dtype=torch.float32, device=self._device) if enabled
+                       else None)
         self._growth_tracker = 0
         self._warned_bf16 = False
         self._per_optimizer: dict[int, dict[str, Any]] = {}
