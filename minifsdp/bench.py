@@ -63,8 +63,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
                "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
                "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
     # Issue 9: activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper.
-    "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective",
-                   "tp#full:torch-tp#full"),
+    "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
     # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
     # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
     # Issue 9: mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a
@@ -75,8 +74,11 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
-    "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp"),
+    "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp", "tp#full:torch-tp#full"),
 }
+# A preset's model when --model is not given: tensor parallel at 4 ranks needs heads divisible by 4
+# (gpt-small has 6), and bf16 is emulated on CPUs without AVX512-BF16 (a gpt-small bf16 step: ~66 s here).
+PRESET_MODELS = {"tensor": "gpt-mini", "precision": "gpt-mini"}
 TP_SIDES = ("tp", "torch-tp")  # tp = the world size
 TP2D_SIDES = ("fsdp+tp", "torch-fsdp+tp")  # dp = world size / 2, tp = 2
 PIPELINE_SIDES = ("pp", "torch-pp")  # their @option is the schedule
@@ -206,15 +208,23 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     """
     model = models.build_model(model_name)
     name, (precision, autocast) = parse_side(side)[0], side_precision(side)
-    # No formula: a pipeline's point-to-point activations; TP's activations under autocast (some
+    config = models.MODEL_PRESETS[model_name]
+    if name in PIPELINE_SIDES and precision == "fp32" and not autocast:  # rank 0's sends and receives
+        schedule = parse_side(side)[1] or "1f1b"
+        stages = world_size * (2 if schedule in ("interleaved", "zero-bubble") else 1)  # as _config sets v
+        by_op = planner.pp_comm_bytes(config, batch_size * config.block_size, stages,
+                                      [s for s in range(stages) if s % world_size == 0])
+        return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
+                "n_params": models.count_parameters(model)}
+    # No formula: a 16-bit pipeline's activations; TP's activations under autocast (some
     # all-reduces 16-bit, some fp32).
     tp_autocast = (autocast or precision != "fp32") and name in TP_SIDES + TP2D_SIDES
     if name in PIPELINE_SIDES or tp_autocast:
         return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
-    config = models.MODEL_PRESETS[model_name]
-    # --checkpoint re-runs each block's forward in backward, its 2 row-parallel all-reduces (2x volume) included
-    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * 2 * config.n_layer * config.n_embd * 4
+    # --checkpoint re-runs each block's forward in backward up to its last saved tensor (early stop):
+    # the attention's row-parallel all-reduce (2x volume) again, not the MLP's closing one
+    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * 1 * config.n_layer * config.n_embd * 4
     if parse_side(side)[0] in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
         by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size)
         by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size
@@ -329,7 +339,7 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m minifsdp.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--model", default=None, help="default gpt-small (--preset tensor / precision: gpt-mini)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--pairs", nargs="+", default=None,
                    help="ours:theirs pairs; a side is strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-memory", action="store_true")
     a = p.parse_args(argv)
     pairs = (*PRESETS.get(a.preset, ()), *(a.pairs or ())) or ("ddp:torch-ddp",)
-    cfg = BenchConfig(model=a.model, world_sizes=tuple(a.world_sizes), pairs=pairs, steps=a.steps,
+    cfg = BenchConfig(model=a.model or PRESET_MODELS.get(a.preset, "gpt-small"), world_sizes=tuple(a.world_sizes), pairs=pairs, steps=a.steps,
                       warmup=a.warmup, repeats=a.repeats, batch_size=a.batch_size, out=a.out,
                       memory=not a.no_memory)
     try:

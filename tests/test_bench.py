@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as tdist
 
 from minifsdp import bench, estimate, models, torch_reference
-from minifsdp.train import TrainConfig, train
+from minifsdp.train import TrainConfig, train, validate
 
 
 def _bytes(side: str, world: int) -> list[dict[str, float]]:
@@ -80,6 +80,20 @@ def test_every_preset_pair_parses():
     for pair in bench.PRESETS["issue4"]:
         ours, theirs = bench.parse_pair(pair)
         assert bench.expected_bytes("gpt-tiny", ours, 4)["total"] > 0 and theirs.startswith("torch-")
+
+
+@pytest.mark.parametrize("preset", sorted(bench.PRESETS))
+def test_every_preset_validates_with_its_default_model(tmp_path, preset):
+    """What `python -m minifsdp.bench --preset P` runs (its default model, world sizes 2 and 4) passes
+    validation before anything starts, and every pipeline side has an exact expected byte count."""
+    model = bench.PRESET_MODELS.get(preset, "gpt-small")
+    cfg = bench.BenchConfig(model=model, pairs=bench.PRESETS[preset], out=str(tmp_path))
+    for pair in bench.PRESETS[preset]:
+        for side in bench.parse_pair(pair):
+            for world in cfg.world_sizes:
+                validate(bench._config(cfg, side, world, False, cfg.steps, cfg.out))
+                if bench.parse_side(side)[0] == "pp":
+                    assert bench.expected_bytes(model, side, world)["total"] > 0, side
 
 
 @pytest.mark.parametrize("pair,message", [

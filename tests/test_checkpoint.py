@@ -304,3 +304,26 @@ def test_fsdp_with_checkpoint_wrapper_trains_like_torch_fsdp():
         for k in state:
             torch.testing.assert_close(state[k], torch_state[k], rtol=1e-4, atol=1e-5, msg=f"{order}/{impl}: {k}")
         models.build_model("gpt-tiny").load_state_dict(state)  # loads into the plain model
+
+
+def test_recompute_stops_after_the_last_saved_tensor():
+    """Early stop (torch's default): what a block does after its last saved tensor is not re-run in
+    backward - here a counter after the last op; the gradients stay exact."""
+    from minifsdp.checkpoint import checkpoint
+
+    calls = []
+    lin = torch.nn.Linear(4, 4)
+
+    def block(x):
+        calls.append("start")
+        h = lin(x).relu()          # saves x, the weight and relu's output
+        calls.append("tail")       # after the last saved tensor: the recompute stops before this
+        return h + 1.0
+
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert calls == ["start", "tail", "start"], calls
+    ref_x = x.detach().clone().requires_grad_()
+    lin.zero_grad()
+    block(ref_x).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)

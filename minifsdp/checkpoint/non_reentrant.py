@@ -14,7 +14,10 @@ ordinary nodes of the one autograd graph; only *what they save* changes:
 
 Both passes run the same ops in the same order, so the i-th tensor saved by
 the recompute is the i-th the forward would have kept (checked: the counts
-must match). Compared with the reentrant Function: no nested ``backward``
+must match). The recompute stops as soon as it has saved as many tensors as
+the forward did (torch's *early stop*, on by default there too): whatever the
+block does after its last saved tensor - a residual add, tensor parallel's
+closing all-reduce - backward never needs, so it is not run again. Compared with the reentrant Function: no nested ``backward``
 call, so ``torch.autograd.grad`` works, keyword arguments and any output
 structure work, and parameters get gradients even when no input requires grad.
 
@@ -38,6 +41,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .replay import ForwardState, tensors_in
 
 __all__ = ["checkpoint_non_reentrant", "noop_context_fn"]
+
+
+class _StopRecomputation(Exception):
+    """Raised by the recompute's pack hook once every tensor backward needs is back (early stop)."""
 
 
 def noop_context_fn() -> tuple[ContextManager, ContextManager]:
@@ -79,6 +86,8 @@ class _Frame:
 
         def keep(t: torch.Tensor) -> None:
             kept.append(t.detach())
+            if len(kept) == self.n_saved:  # all that backward needs: skip the rest of the block
+                raise _StopRecomputation
 
         def never(_: None) -> torch.Tensor:  # the recompute's own graph is thrown away unused
             raise RuntimeError("checkpoint: a recomputed graph was used in backward")
@@ -86,9 +95,12 @@ class _Frame:
         leaves = [x.to(d, non_blocking=True).detach().requires_grad_(g) if isinstance(x, torch.Tensor) else x
                   for x, d, g in zip(self.leaves, self.devices, self.grads)]
         args, kwargs = tree_unflatten(leaves, self.spec)
-        with torch.enable_grad(), self.state.replay(), \
-                torch.autograd.graph.saved_tensors_hooks(keep, never), self.recompute_context:
-            self.fn(*args, **kwargs)
+        try:
+            with torch.enable_grad(), self.state.replay(), \
+                    torch.autograd.graph.saved_tensors_hooks(keep, never), self.recompute_context:
+                self.fn(*args, **kwargs)
+        except _StopRecomputation:
+            pass
         if len(kept) != self.n_saved:
             raise RuntimeError(f"checkpoint: the recompute saved {len(kept)} tensors but the forward saved "
                                f"{self.n_saved}; fn must run the same ops both times (no branching on global "
