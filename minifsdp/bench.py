@@ -197,7 +197,8 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     """Bytes per step minifsdp's ``side`` moves as ``train.py`` sets it up: ``estimate.comm_bytes_per_step``
     with this model's FSDP units (wrap=block), buffers, HYBRID_SHARD as 2 x (N/2), and ``%bf16``/``%fp16``'s
     dtypes: FSDP gathers and reduces 16-bit (policy p, p, p); DDP and ZeRO keep fp32 parameters (and
-    buffers) and reduce 16-bit gradients (``reduce_dtype``).
+    buffers) and reduce 16-bit gradients (``reduce_dtype``). Tensor parallel: ``planner.tp_comm_bytes``, its
+    forward all-reduces 16-bit under autocast (``forward_elem=2``), all but the loss's under fsdp+tp's policy.
 
     ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's kΨ
     (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
@@ -216,23 +217,26 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
                                       [s for s in range(stages) if s % world_size == 0])
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
-    # No formula: a 16-bit pipeline's activations; TP's activations under autocast (some
-    # all-reduces 16-bit, some fp32).
-    tp_autocast = (autocast or precision != "fp32") and name in TP_SIDES + TP2D_SIDES
-    if name in PIPELINE_SIDES or tp_autocast:
+    if name in PIPELINE_SIDES:  # no formula for a 16-bit pipeline's activations
         return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
+    # TP's row-parallel outputs are 16-bit under autocast (tp, torch-tp: --precision; fsdp+tp: --autocast)
+    # or FSDP's policy (fsdp+tp --precision: everything 16-bit but the loss); else fp32
+    forward_elem = 2 if autocast or precision != "fp32" else 4
     # --checkpoint re-runs each block's forward in backward up to its last saved tensor (early stop):
     # the attention's row-parallel all-reduce (2x volume) again, not the MLP's closing one
-    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * 1 * config.n_layer * config.n_embd * 4
-    if parse_side(side)[0] in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
-        by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size)
+    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * config.n_layer * config.n_embd * forward_elem
+    if name in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
+        by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size, forward_elem=forward_elem)
         by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
-    if parse_side(side)[0] in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
-        plan = planner.plan(model_name, batch=batch_size, dp=world_size // 2, tp=2, zero_stage=3)
-        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // (world_size // 2)}
+    if name in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
+        dp = world_size // 2
+        plan = planner.plan(model_name, batch=batch_size, dp=dp, tp=2, zero_stage=3, precision=precision)
+        if autocast:  # fp32 parameters, autocast compute: only the forward g's are 16-bit
+            plan.comm["tp"] = planner.tp_comm_bytes(config, batch_size // dp * config.block_size, 2, forward_elem=2)
+        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // dp}
         for ops in plan.comm.values():
             for op, b in ops.items():
                 by_op[op] = by_op.get(op, 0) + b

@@ -52,27 +52,50 @@ def tp_param_counts(config: GPTConfig, tp: int) -> tuple[list[int], int]:
 
 
 def tp_comm_bytes(config: GPTConfig, tokens: int, tp: int, sequence_parallel: bool = False,
-                  elem: int = 4, micro_steps: int = 1) -> dict[str, int]:
+                  elem: int = 4, micro_steps: int = 1, forward_elem: int | None = None) -> dict[str, int]:
     """Bytes ``minifsdp.tensor_parallel``'s collectives record per step on one rank (``comm``'s volume).
 
     ``tokens`` = sequences x length this rank processes per step (N). TP:
-    per block 4 all-reduces of N*h (volume 2x), the embedding's g forward, the
-    head's f backward, and the cross-entropy's all-reduces of N (max) and 2N
-    (sums). SP: each block all-reduce becomes an all-gather + reduce-scatter of
-    N*h, the embedding's output is scattered (all-gather backward), the head
-    gathers (reduce-scatter backward), and every layer norm's and row bias's
-    gradient is all-reduced (h each: 6 per block, 2 for ln_f) once per
-    backward, i.e. ``micro_steps`` times per step with gradient accumulation.
+    per block 4 all-reduces of N*h (volume 2x): the two row-parallel linears'
+    outputs in forward (g) and the two column-parallel inputs' gradients in
+    backward (f); then the embedding's g forward, the head's f backward, and the
+    cross-entropy's all-reduces of N (max) and 2N (sums). SP: each block
+    all-reduce becomes an all-gather + reduce-scatter of N*h, the embedding's
+    output is scattered (all-gather backward), the head gathers (reduce-scatter
+    backward), and every layer norm's and row bias's gradient is all-reduced
+    (h each: 6 per block, 2 for ln_f) once per backward, i.e. ``micro_steps``
+    times per step with gradient accumulation.
+
+    Element sizes: ``elem`` for activations, their gradients and the parameters'
+    (4 fp32; 2 when the parameters themselves are 16-bit, FSDP's MixedPrecision
+    policy). ``forward_elem`` (default ``elem``) for what the blocks' row-parallel
+    linears produce: under autocast (``tp --precision bf16``) those outputs are
+    bf16 (2) while layer norms, the embedding and every gradient flowing into an
+    fp32 tensor stay fp32, so the forward g's carry 2 B and the backward f's 4 B
+    (with SP: the forward reduce-scatters and their backward all-gathers). The
+    cross-entropy's all-reduces are 4 B always: the loss is computed in fp32.
+
+    >>> from minifsdp.models import MODEL_PRESETS
+    >>> tiny = MODEL_PRESETS["gpt-tiny"]                        # L = 2, h = 32; N = 8 x 32 tokens
+    >>> tp_comm_bytes(tiny, 256, 2)                             # (8L+4) N h 4 + 6 N 4
+    {'all_reduce': 661504}
+    >>> tp_comm_bytes(tiny, 256, 2, forward_elem=2)             # autocast: 4L N h 2 + (4L+4) N h 4 + 6 N 4
+    {'all_reduce': 530432}
+    >>> tp_comm_bytes(tiny, 256, 2, sequence_parallel=True, forward_elem=2)   # the tracer's count, too
+    {'all_gather': 262144, 'reduce_scatter': 229376, 'all_reduce': 75264}
     """
     if tp == 1:
         return {}
     L, h, N = config.n_layer, config.n_embd, tokens
-    ce = 2 * N * elem + 2 * 2 * N * elem
+    fwd = elem if forward_elem is None else forward_elem
+    ce = 2 * N * 4 + 2 * 2 * N * 4
     if not sequence_parallel:
-        return {"all_reduce": (8 * L + 4) * N * h * elem + ce}
+        return {"all_reduce": 4 * L * N * h * fwd + (4 * L + 4) * N * h * elem + ce}
     ln_params = 6 if config.bias else 2  # per block: ln_1, ln_2 (w, b) and two row biases
     final = 2 if config.bias else 1
-    return {"all_gather": (4 * L + 2) * N * h * elem, "reduce_scatter": (4 * L + 1) * N * h * elem,
+    # per block: 2 gathers of layer-norm outputs (elem) + 2 of the row outputs' gradients (fwd), and the reverse
+    return {"all_gather": (2 * L + 2) * N * h * elem + 2 * L * N * h * fwd,
+            "reduce_scatter": (2 * L + 1) * N * h * elem + 2 * L * N * h * fwd,
             "all_reduce": 2 * N * h * elem + 2 * (ln_params * L + final) * h * elem * micro_steps + ce}
 
 

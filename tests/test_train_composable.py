@@ -13,6 +13,8 @@ The parity contract of tests/test_mixed_precision_train.py (its runs, its fp32
   policy, torch-ddp with autocast and torch's bf16 compression comm hook, torch-fsdp2
   with MixedPrecisionPolicy, torch's 2D recipe (torch-fsdp+tp). torch's bf16 runs also
   equal minifsdp's (ddp, fsdp) to rel 1e-5: the same casts, sums and reduce dtype.
+  Their bytes equal bench.expected_bytes: under autocast TP's forward all-reduces are bf16
+  (the row-parallel outputs) and the backward ones fp32.
 """
 from __future__ import annotations
 
@@ -54,6 +56,20 @@ def test_bf16_tracks_fp32_single(tmp_path, fp32_single, strategy):
     assert m["losses"] != fp32_single, "it did not compute in bf16"
     assert m["losses"][-1] < m["losses"][0]
     assert strategy == "tp" or _fsdp_moved_bf16(m)
+    # tp (autocast): forward row-parallel all-reduces in bf16, backward ones and the loss's fp32 (gpt-tiny:
+    # 530,432 B vs 661,504 fp32); fsdp+tp (FSDP's policy): all but the loss's bf16 (166,912 vs 330,752)
+    expected = bench.expected_bytes("gpt-tiny", f"{strategy}%bf16", TP_WORLD[strategy]["world_size"])
+    assert m["bytes_per_step"][0] == expected["by_op"]
+
+
+def test_tp_bf16_checkpoint_recomputes_in_bf16(tmp_path, fp32_single):
+    """--checkpoint full re-runs each block's forward up to its last saved tensor: one more bf16
+    all-reduce per block (gpt-tiny tp2: 595,968 B = 530,432 + 2 blocks x 256 tokens x 32 x 2 B x 2)."""
+    m = _metrics(tmp_path, "tp", "bf16", checkpoint="full", **TP_WORLD["tp"])
+    torch.testing.assert_close(m["losses"], fp32_single, atol=0, rtol=TOL["bf16"])
+    expected = bench.expected_bytes("gpt-tiny", "tp#full%bf16", 2)
+    assert m["bytes_per_step"][0] == expected["by_op"]
+    assert expected["total"] - bench.expected_bytes("gpt-tiny", "tp%bf16", 2)["total"] == 2 * 256 * 32 * 2 * 2
 
 
 @pytest.mark.parametrize("ours,theirs", [("ddp", "torch-ddp"), ("fsdp", "torch-fsdp2")])
@@ -89,9 +105,11 @@ def test_bench_sides_and_remaining_refusals(tmp_path):
     validate(cfg)
     cfg = bench._config(bench.BenchConfig(), "torch-tp%autocast#full", 2, False, 2, out)
     assert (cfg.strategy, cfg.tp, cfg.checkpoint, cfg.precision, cfg.autocast) == ("torch-tp", 2, "full", "fp32", True)
-    # 16-bit TP activations are not in the planner's formula: no expected bytes rather than a wrong number
-    assert bench.expected_bytes("gpt-tiny", "tp%bf16", 2)["total"] is None
-    assert bench.expected_bytes("gpt-tiny", "fsdp+tp%autocast", 4)["total"] is None
+    # under autocast only TP's forward all-reduces are 16-bit: 2L N h 2 B less each (N = 8 x 32 / dp, L = 2, h = 32)
+    assert bench.expected_bytes("gpt-tiny", "tp", 2)["total"] - bench.expected_bytes(
+        "gpt-tiny", "tp%autocast", 2)["total"] == 4 * 2 * 256 * 32 * 2
+    by_op = bench.expected_bytes("gpt-tiny", "fsdp+tp%autocast", 4)["by_op"]
+    assert by_op == {**bench.expected_bytes("gpt-tiny", "fsdp+tp", 4)["by_op"], "all_reduce": 265216}
     # what is still refused says why and what to use instead
     with pytest.raises(ValueError, match="without loss scaling, which fp16 needs: use --precision bf16"):
         validate(TrainConfig(strategy="torch-tp", world_size=2, tp=2, precision="fp16", out=out))
