@@ -537,11 +537,20 @@ def mesh_diagram(mesh: Any, ax: Axes | None = None) -> Figure:
     A row is a tensor-parallel group (its ranks split every layer), a column a
     data-parallel group (same slice, different data); a rank keeps its colour
     per tp index, so a column's ranks, which hold the same weights, match.
+
+    With HSDP's split (``DeviceMesh(dp=4, dp_shard=2)``) each column's dp
+    ranks fall into ``dp_replicate`` shard groups of ``dp_shard`` consecutive
+    rows (a node: FSDP shards inside it), each outlined in solid black and
+    named on the left; on the right each row names its replicate group (the
+    rows with the same index inside their shard group all-reduce across nodes).
     """
     D, P, Tn = mesh.shape
+    S = getattr(mesh, "dp_shard", None)
     gap = 1.0
     width_units = P * Tn + (P - 1) * gap
-    fig, ax = _new_axes(ax, (min(COLUMN_WIDTH_IN, 1.1 * width_units + 1.6), 0.9 * D + 1.6))
+    left, right = (1.6, 2.2) if S is not None else (0.8, 0.1)  # margins for the HSDP labels
+    extra = left + right - 0.9  # 0 without the split: the figure as before
+    fig, ax = _new_axes(ax, (min(COLUMN_WIDTH_IN, 1.1 * (width_units + extra) + 1.6), 0.9 * D + 1.6 + (0.4 if S is not None else 0)))
     for p in range(P):
         x0 = p * (Tn + gap)
         ax.text(x0 + Tn / 2, -0.45, f"pipeline stage pp={p}" if P > 1 else "all layers", ha="center",
@@ -558,14 +567,28 @@ def mesh_diagram(mesh: Any, ax: Axes | None = None) -> Figure:
                                                 linestyle="--", linewidth=0.8))
         for t in range(Tn):
             ax.text(x0 + t + 0.5, D + 0.05, f"tp={t}", ha="center", va="top", fontsize=8)
+            for r in range(D // S if S is not None else 0):  # one shard group: S consecutive dp rows of a column
+                ranks = [mesh.rank_at(d, p, t) for d in range(r * S, (r + 1) * S)]
+                ax.add_patch(mpatches.Rectangle((x0 + t + 0.01, r * S + 0.01), 0.98, S - 0.08, fill=False,
+                                                edgecolor="black", linewidth=1.8, label=f"dp_shard group {ranks}"))
     for d in range(D):
         ax.text(-0.1, d + 0.45, f"dp={d}", ha="right", va="center", fontsize=8)
-    ax.set_xlim(-0.8, width_units + 0.1)
+    if S is not None:
+        R = D // S
+        for r in range(R):
+            ax.text(-0.9, r * S + (S - 0.1) / 2, f"shard group {r}\n(node {r})", ha="center", va="center",
+                    rotation=90, fontsize=8, fontweight="bold")
+        for d in range(D):
+            ax.text(width_units + 0.15, d + 0.45, f"replicate group {d % S}", ha="left", va="center", fontsize=8,
+                    color=_RANK_COLORS[(d % S + Tn) % len(_RANK_COLORS)])
+    ax.set_xlim(-left, width_units + right)
     ax.set_ylim(D + 0.5, -0.7)
     ax.set_aspect("equal")
     ax.axis("off")
+    hsdp = "" if S is None else (f"\nsolid box = one dp_shard group ({S} ranks: FSDP shards in it)\nsame "
+                                 f"replicate group = one dp_replicate group ({D // S} ranks: all-reduce)")
     ax.set_title(f"{mesh!r}: {mesh.size()} ranks\ndashed row = one tensor-parallel group, "
-                 "column = one data-parallel group", fontsize=9)
+                 f"column = one data-parallel group{hsdp}", fontsize=9)
     return fig
 
 

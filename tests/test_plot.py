@@ -327,3 +327,30 @@ def test_figures_fit_a_notebook_column():
     for fig in (plot.timeline(traces), plot.memory(traces), plot.memory(_samples())):
         width, _ = fig.get_size_inches()
         assert width <= plot.COLUMN_WIDTH_IN, f"{width} in wide > {plot.COLUMN_WIDTH_IN} in column"
+
+
+# --------------------------------------------------------------------------
+# mesh diagram: HSDP's dp split
+# --------------------------------------------------------------------------
+def test_mesh_diagram_outlines_hsdp_shard_groups():
+    from minifsdp.mesh import DeviceMesh
+
+    mesh = DeviceMesh(dp=4, tp=2, dp_shard=2)  # 2 "nodes" of 2 dp ranks, each split over tp=2
+    ax = plot.mesh_diagram(mesh).axes[0]
+    outlined = sorted(p.get_label() for p in ax.patches if p.get_label().startswith("dp_shard group"))
+    assert outlined == sorted(f"dp_shard group {g}" for g in mesh.groups("dp_shard"))  # [0, 2] [1, 3] [4, 6] [5, 7]
+    texts = [t.get_text() for t in ax.texts]
+    assert [t for t in texts if t.startswith("shard group")] == ["shard group 0\n(node 0)", "shard group 1\n(node 1)"]
+    # each dp row names its replicate group; the ranks of one column whose rows share a name = mesh's groups
+    row_label = {t.get_position()[1]: t.get_text() for t in ax.texts if t.get_text().startswith("replicate group")}
+    assert sorted(row_label.values()) == ["replicate group 0"] * 2 + ["replicate group 1"] * 2
+    drawn: dict = {}
+    for t in ax.texts:
+        if t.get_text().startswith("rank "):
+            x, y = t.get_position()
+            drawn.setdefault((x, row_label[y]), []).append(int(t.get_text().split()[1]))
+    assert sorted(sorted(g) for g in drawn.values()) == sorted(mesh.groups("dp_replicate"))  # [0, 4] [1, 5] ...
+    assert "dp_shard group" in ax.get_title()
+    plain = plot.mesh_diagram(DeviceMesh(dp=4, tp=2)).axes[0]  # no split: nothing of it drawn
+    assert not any(p.get_label().startswith("dp_shard") for p in plain.patches)
+    assert not any("group" in t.get_text() and "shard" in t.get_text() for t in plain.texts)
