@@ -17,7 +17,8 @@ kernels, never numbers copied from the lab:
 * ``policy_bytes``: the learner's bytes per step for four precision policies
   against the tracer's count of a real 2-rank FSDP step.
 
-Read ``verdict.py`` first, then ``minifsdp/mixed_precision``.
+Read ``verdict.py`` first, then ``minifsdp/mixed_precision``; the FSDP runs the last two
+checks launch are in ``lab05_runs.py``.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import data, dist, models, trace
-from ..mixed_precision import MixedPrecision, unscale_grads_, update_scale
-from .verdict import call, failed, figures, is_library, passed, require_written, run, uses
+from .. import data, dist, models
+from ..mixed_precision import unscale_grads_, update_scale
+from .lab05_runs import POLICIES, SHARDED_STEPS, fsdp_bytes, overflowing, sharded_worker
+from .verdict import call, failed, figures, forbid, passed, require_written, run
 
 SCALER_LIBRARY = ("GradScaler", "ShardedGradScaler", "unscale_grads_", "update_scale",
                   "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_")
@@ -94,8 +96,8 @@ def unscale(unscale_: Callable[[list[torch.Tensor], float], Any]) -> None:
     """``unscale_(grads, scale)``: grads /= scale in place; return True if any value is inf or NaN."""
     what = "unscale_"
     require_written(what, unscale_)
-    if is_library(unscale_, unscale_grads_) or uses(unscale_, *SCALER_LIBRARY):
-        failed(what, "it calls the library's or torch's unscale kernel: write the loop over the gradients yourself")
+    forbid(what, unscale_, SCALER_LIBRARY, "it calls the library's or torch's unscale kernel: write the loop over "
+           "the gradients yourself", unscale_grads_)
     for name, grads, scale in _grad_cases():
         theirs = [t.clone() for t in grads]
         torch_flag = torch.zeros(())
@@ -140,8 +142,8 @@ def update(update_scale_fn: Callable[..., tuple[float, int]]) -> None:
     """``update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)``."""
     what = "update rule"
     require_written(what, update_scale_fn)
-    if is_library(update_scale_fn, update_scale) or uses(update_scale_fn, *SCALER_LIBRARY):
-        failed(what, "it calls the library's or torch's update: write the rule yourself")
+    forbid(what, update_scale_fn, SCALER_LIBRARY, "it calls the library's or torch's update: write the rule yourself",
+           update_scale)
     scale, tracker = 2.0**10, 0
     for i, found in enumerate(OVERFLOWS):
         want = _torch_update(scale, tracker, found)
@@ -197,6 +199,10 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return models.lm_loss(logits.float(), y) * SHRINK   # the loss in fp32, as autocast computes it
 
 
+def _scales(scales: list[float]) -> list[str]:
+    return [f"{s:g}" for s in scales]
+
+
 @functools.lru_cache(maxsize=None)
 def _reference_run(init_scale: float, scaled: bool = True) -> tuple[list[float], list[float]]:
     """The same loop with the library's rules: (losses, scales)."""
@@ -226,10 +232,8 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
     """``fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> loss``, with the lab's ``LossScaler``."""
     what = "fp16 training with loss scaling"
     require_written(what, fp16_train_step)
-    ran = uses(fp16_train_step, *SCALER_LIBRARY, "autocast", "FullyShardedDataParallel")
-    if ran:
-        failed(what, f"it uses {ran[0]}: write the step with your own scaler (scaler.scale, scaler.unscale_, "
-                     "scaler.update)")
+    forbid(what, fp16_train_step, (*SCALER_LIBRARY, "autocast", "FullyShardedDataParallel"),
+           "it uses {name}: write the step with your own scaler (scaler.scale, scaler.unscale_, scaler.update)")
     init_scale = 2.0**36   # too large at first: the first steps overflow, are skipped, and the scale backs off
     scaler = call(what, LossScaler, init_scale=init_scale, growth_interval=4)
     model16, master, opt = _fp16_setup()
@@ -257,8 +261,8 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
         failed(what, "the scale never changed although the first steps overflow: call scaler.update(found_inf) "
                      "once per step")
     if scales != want_scales:
-        failed(what, f"scales {[f'{s:g}' for s in scales[:6]]}... differ from the rule's "
-                     f"{[f'{s:g}' for s in want_scales[:6]]}...: one unscale_ and one update per step, after backward")
+        failed(what, f"scales {_scales(scales[:6])}... differ from the rule's {_scales(want_scales[:6])}...: one "
+                     "unscale_ and one update per step, after backward")
     if max(abs(a - b) for a, b in zip(losses, want_losses)) > 1e-3:
         failed(what, f"{figures('final loss', losses[-1], want_losses[-1])}: your losses differ from the same loop "
                      "built on the library's rules (one scaled backward, unscale, step unless overflow, copy back)")
@@ -268,64 +272,18 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
 
 
 # ------------------------------------------------------------------ exercise 3b: every rank skips the same step
-SHARDED_STEPS = 10
-SHARDED_INJECT = {3: "last", 7: "first", 8: "every"}   # step -> whose gradient shard gets an inf (a NaN at 7)
-SHARDED_RULE = dict(init_scale=2.0**10, growth_interval=3)
-
-
-def _overflowing(step: int, n: int) -> set[int]:
-    return {"last": {n - 1}, "first": {0}, "every": set(range(n))}.get(SHARDED_INJECT.get(step, ""), set())
-
-
-def _sharded_run(step_fn: Callable[..., Any] | None, scaler_cls: type | None) -> dict[str, Any]:
-    """FSDP gpt-tiny (a unit per Block), a scaled backward per step, an inf written into the planned ranks'
-    shards; the step is the learner's (``step_fn``) or the library's ``ShardedGradScaler`` (None)."""
-    from ..fsdp import FullyShardedDataParallel as FSDP
-    from ..fsdp import ModuleWrapPolicy
-    from ..mixed_precision import ShardedGradScaler
-    n, r = dist.world_size(), dist.rank()
-    model = FSDP(models.build_model("gpt-tiny", seed=0), auto_wrap_policy=ModuleWrapPolicy({models.Block}))
-    shard = list(model.parameters())            # this rank's fp32 master shards: what the optimizer steps
-    opt = torch.optim.AdamW(shard, lr=1e-2)
-    scaler = scaler_cls(**SHARDED_RULE) if step_fn else ShardedGradScaler(dist.device(), **SHARDED_RULE)
-    found, stepped, scales = [], [], []
-    for step in range(SHARDED_STEPS):
-        x, y = data.get_batch(step, 4, 16, rank=r, world_size=n)
-        scale = float(scaler.scale) if step_fn else scaler.get_scale()
-        (models.lm_loss(model(x.to(dist.device())), y.to(dist.device())) * scale).backward()
-        if r in _overflowing(step, n):
-            shard[0].grad[0] = math.nan if step == 7 else math.inf
-        before = [p.detach().clone() for p in shard]
-        if step_fn:
-            found.append(bool(step_fn(shard, opt, scaler)))
-            scales.append(float(scaler.scale))
-        else:
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        opt.zero_grad()
-        stepped.append(not all(torch.equal(a, p) for a, p in zip(before, shard)))
-    return {"found": found, "stepped": stepped, "scales": scales, "shard": [p.detach().cpu() for p in shard]}
-
-
-def _sharded_worker(step_fn: Callable[..., Any], scaler_cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The learner's run, then the library's, on this rank (one launch for both)."""
-    return _sharded_run(step_fn, scaler_cls), _sharded_run(None, None)
-
-
 def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> None:
     """``sharded_scaler_step(shard, opt, scaler) -> found_inf`` on N ranks of FSDP, an inf on one rank's shard."""
     what = "every rank skips the same step"
     require_written(what, sharded_scaler_step)
-    ran = uses(sharded_scaler_step, "GradScaler", "ShardedGradScaler", "unscale_grads_", "_sync_found_inf",
-               "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_")
-    if ran:
-        failed(what, f"it uses the library's {ran[0]}: agree on the flag yourself (your scaler, one all-reduce)")
+    forbid(what, sharded_scaler_step, ("GradScaler", "ShardedGradScaler", "unscale_grads_", "_sync_found_inf",
+                                       "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"),
+           "it uses the library's {name}: agree on the flag yourself (your scaler, one all-reduce)")
     n = dist.lab_world_size(2)
-    yours, library = zip(*run(what, _sharded_worker, n, sharded_scaler_step, LossScaler))
-    want = [not _overflowing(step, n) for step in range(SHARDED_STEPS)]      # stepped?
+    yours, library = zip(*run(what, sharded_worker, n, sharded_scaler_step, LossScaler))
+    want = [not overflowing(step, n) for step in range(SHARDED_STEPS)]      # stepped?
     for step in range(SHARDED_STEPS):
-        bad, did = _overflowing(step, n), [res["stepped"][step] for res in yours]
+        bad, did = overflowing(step, n), [res["stepped"][step] for res in yours]
         if did == [want[step]] * n:
             continue
         if not bad:
@@ -349,8 +307,8 @@ def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> N
             failed(what, f"after step {step} rank 0 holds scale {yours[0]['scales'][step]:g} and rank {r} "
                          f"{res['scales'][step]:g}: update every rank's scaler with the agreed flag")
     if yours[0]["scales"] != library[0]["scales"]:
-        failed(what, f"scales {[f'{s:g}' for s in yours[0]['scales']]} differ from ShardedGradScaler's "
-                     f"{[f'{s:g}' for s in library[0]['scales']]}: one unscale_ and one update(found_inf) per step")
+        failed(what, f"scales {_scales(yours[0]['scales'])} differ from ShardedGradScaler's "
+                     f"{_scales(library[0]['scales'])}: one unscale_ and one update(found_inf) per step")
     for r in range(n):
         diff = max((a - b).abs().max().item() for a, b in zip(yours[r]["shard"], library[r]["shard"]))
         if not diff == 0.0:
@@ -364,38 +322,10 @@ def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> N
 
 
 # ------------------------------------------------------------------ exercise 4: the policy's bytes
-POLICIES = {"fp32": None, "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16),
-            "bf16, fp32 reduce": MixedPrecision(torch.bfloat16, torch.float32),
-            "bf16 (reduce_dtype None)": MixedPrecision(param_dtype=torch.bfloat16)}
-
-
-def _fsdp_bytes(policies: dict[str, Any]) -> dict[str, Any]:
-    """One FSDP step per policy (gpt-tiny, a unit per Block): measured bytes and each unit's gathers."""
-    from ..fsdp import FullyShardedDataParallel as FSDP
-    from ..fsdp import ModuleWrapPolicy
-    out: dict[str, Any] = {}
-    for name, mp in policies.items():
-        model = FSDP(models.build_model("gpt-tiny", seed=0), auto_wrap_policy=ModuleWrapPolicy({models.Block}),
-                     mixed_precision=mp)
-        x, y = data.get_batch(0, 4, 16, rank=dist.rank(), world_size=dist.world_size())
-        with trace.Tracer() as tracer:
-            models.lm_loss(model(x.to(dist.device())), y.to(dist.device())).backward()
-        spans = tracer.trace.comm_spans()
-        out[name] = tracer.trace.bytes_by_op()
-        units: dict[str, list[int]] = {}
-        for s in spans:
-            if "all_gather" in s.name:
-                unit = units.setdefault(str(s.args.get("unit")), [0, 0])
-                unit[0] = s.args["numel"]
-                unit[1] += 1
-        out["units"] = sorted(tuple(u) for u in units.values())
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _measured_bytes() -> tuple:
     """The tracer's bytes of one FSDP step per policy, on 2 ranks (measured once per process)."""
-    return tuple(run("bytes per step by precision policy", _fsdp_bytes, dist.lab_world_size(2), POLICIES)[0].items())
+    return tuple(run("bytes per step by precision policy", fsdp_bytes, dist.lab_world_size(2), POLICIES)[0].items())
 
 
 def policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]]) -> None:
@@ -409,8 +339,7 @@ def policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]]
         got = call(what, predict, list(units), mp)
         if not isinstance(got, dict) or not {"all_gather", "reduce_scatter"} <= set(got):
             failed(what, "return a dict with the keys 'all_gather' and 'reduce_scatter' (bytes per step)")
-        want = {"all_gather": sum(v for k, v in measured[name].items() if "all_gather" in k),
-                "reduce_scatter": sum(v for k, v in measured[name].items() if "reduce_scatter" in k)}
+        want = {op: sum(v for k, v in measured[name].items() if op in k) for op in ("all_gather", "reduce_scatter")}
         for op in ("all_gather", "reduce_scatter"):
             if int(got[op]) != want[op]:
                 ratio = int(got[op]) / want[op]

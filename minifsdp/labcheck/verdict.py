@@ -15,7 +15,8 @@ The other helpers are what most checks need:
   sentence instead of a traceback per rank;
 * :func:`not_implemented` and :func:`is_library` / :func:`uses` tell the blank
   lab and a call to the library apart from the learner's own code (LAB-GUIDE §1:
-  "the check must tell the learner's own code from a call to the library").
+  "the check must tell the learner's own code from a call to the library");
+  :func:`forbid` fails in one sentence on such a call.
 """
 from __future__ import annotations
 
@@ -125,6 +126,14 @@ def uses(fn: Any, *names: str) -> list[str]:
         found.update(ins.argval for ins in dis.get_instructions(c)
                      if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and isinstance(ins.argval, str))
     return [n for n in names if n in found]
+
+
+def forbid(what: str, fn: Any, names: tuple[str, ...], why: str, *library: Any) -> None:
+    """Fail with ``why`` when the body of ``fn`` uses one of ``names`` (``{name}`` in ``why``: the first it
+    uses) or ``fn`` is one of ``library``: the exercise is the mechanism, not a call to the one that has it."""
+    ran = uses(fn, *names)
+    if ran or any(fn is lib for lib in library):
+        failed(what, why.format(name=ran[0] if ran else getattr(fn, "__name__", "it")))
 
 
 def run(what: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
