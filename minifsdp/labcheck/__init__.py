@@ -1,4 +1,4 @@
-"""minifsdp.labcheck: the labs' check functions, one module per lab.
+"""minifsdp.labcheck: the labs' check functions, one module per lab (lab05_runs.py: the workers lab05 launches).
 
 A check cell in a notebook is one call that runs the learner's code, compares
 it with the single-process computation and with the library, and prints one
