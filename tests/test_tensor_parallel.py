@@ -91,3 +91,11 @@ def test_activation_memory_down_by_the_predicted_factor():
         predicted = planner.plan(config, batch=4, seq_len=64, tp=tp, sequence_parallel=sp).memory["activations"]
         assert kept == pytest.approx(predicted, rel=0.03), (tp, sp, kept, predicted)
     assert measured[(2, True)] < measured[(2, False)] < measured[(1, False)]
+
+
+def test_three_d_parity_with_single_process():
+    """PP 2 x TP 2 x DP 2 on 8 ranks: loss, gradient and parameter slices of every rank's stages after
+    3 AdamW steps equal the full GPT's on the whole batch."""
+    for rank, errs in enumerate(launch(tp_helpers.three_d_parity, 8, 2, 2, 2, timeout=300)):
+        assert errs["compared"] > 0, f"rank {rank} compared no parameter"
+        assert errs["loss"] < TOL and errs["grad"] < TOL and errs["param"] < TOL, (rank, errs)

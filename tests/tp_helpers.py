@@ -294,3 +294,44 @@ def fsdp_tp_parity(dp, tp, steps=3):
         opt_f.zero_grad(), opt_p.zero_grad()
     compare("param", False)
     return errs
+
+
+def three_d_parity(pp, tp, dp, steps=3, micro_batches=2):
+    """PP x TP x DP (the trainer's 3d: a DeviceMesh, the tensor-parallel GPT cut into pp stages, DDP over
+    dp) vs the full GPT on the whole batch: global loss, and the gradient and parameter slices of this
+    rank's stages each step and after ``steps`` AdamW steps. Returns the largest differences."""
+    from minifsdp.mesh import DeviceMesh
+    from minifsdp.pipeline import PipelineParallel
+
+    mesh = T.initialize_model_parallel(tp, pp, mesh=DeviceMesh(dp=dp, pp=pp, tp=tp))
+    full = models.build_model("gpt-tiny", n_head=4)
+    par = T.tensor_parallel_gpt(models.build_model("gpt-tiny", n_head=4))  # same init: the seed is fixed
+    model = PipelineParallel(par, pp, micro_batches, "1f1b", dp=dp, pp_group=mesh.get_group("pp"),
+                             dp_group=mesh.get_group("dp") if dp > 1 else None, loss_fn=T.ParallelGPT.loss)
+    mine = {id(p) for p in model.parameters()}
+    opt_f = torch.optim.AdamW(full.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_p = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    d, rows = model.data_parallel_rank, 4 // dp
+    errs = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": 0}
+
+    def compare(key, grads):
+        expect = T.local_slices(par, full, grads=grads)
+        for name, p in par.named_parameters():
+            if id(p) in mine:  # this rank's stages; the rest of par is another rank's
+                errs[key] = max(errs[key], _err(p.grad if grads else p.detach(), expect[name]))
+                errs["compared"] += 1
+
+    for step in range(steps):
+        data = torch.randint(0, 256, (4, 17), generator=_gen(100 + step))
+        x, y = data[:, :-1], data[:, 1:]
+        lf = models.lm_loss(full(x), y)
+        lf.backward()
+        lp = model.train_step(x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows]).detach().clone()
+        if dp > 1:
+            torch.distributed.all_reduce(lp, group=mesh.get_group("dp"))
+        errs["loss"] = max(errs["loss"], abs(lf.item() - lp.item() / dp) / abs(lf.item()))
+        compare("grad", True)
+        opt_f.step(), opt_p.step()
+        opt_f.zero_grad(), opt_p.zero_grad()
+    compare("param", False)
+    return errs
