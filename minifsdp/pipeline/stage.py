@@ -270,10 +270,12 @@ class PipelineStage:
         params, grads = [q for q, _ in saved.loose], [g for _, g in saved.loose]
         if not sync:
             _accumulate(params, grads)
-        for (edge, ps), g in zip(saved.layer_outputs, saved.layer_grads):
-            if g is None:
+        for k, (edge, ps) in enumerate(saved.layer_outputs):
+            g, saved.layer_grads[k] = saved.layer_grads[k], None  # each output gradient freed once used (torch's
+            if g is None:                                          # W drops each group's grads as it goes)
                 continue
             gs = torch.autograd.grad(edge, ps, g, allow_unused=True)
+            del g
             if sync:
                 params += [q for q, gq in zip(ps, gs) if gq is not None]
                 grads += [gq for gq in gs if gq is not None]
