@@ -17,6 +17,9 @@ medians and ratios (minifsdp / torch):
   model's structure (``expected_bytes``), padding included; minifsdp must
   move exactly that. *paper* is the ZeRO paper's kΨ (``estimate.paper_comm_bytes``).
 * same losses — both sides' losses agree (rel 1e-5): they trained the same.
+* activations (with any ``side#full``/``side#selective``) — what autograd holds
+  after one rank's forward, per ``--checkpoint`` mode: ``estimate``'s prediction
+  beside the memory tracker's measurement (``activation_rows``).
 
 A side is ``strategy`` or ``strategy@OPTION``, the option being the
 sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -54,6 +58,7 @@ from typing import Any
 import torch
 
 from . import estimate, models, planner
+from .memory import ACTIVATIONS, MemoryTracker
 from .train import SHARDING_OPTIONS, STRATEGIES, TrainConfig, train, validate
 
 # Every pair of issue 4 (ZeRO-1/2/3 and each sharding strategy beside torch's own).
@@ -298,6 +303,50 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
     return row
 
 
+# --------------------------------------------------------------------------
+# Activations: estimate's prediction beside the tracker, per --checkpoint mode
+# --------------------------------------------------------------------------
+
+def activation_rows(model_name: str, batch: int) -> list[dict[str, Any]]:
+    """Bytes autograd holds after one forward of ``batch`` sequences (one rank's share), for each
+    ``--checkpoint`` mode: ``estimate.gpt_checkpoint_activation_bytes`` and the memory tracker's
+    ``activations`` after the forward, on one process (sharding changes parameters, not activations).
+    The tracker also sees the 4-byte loss itself, which the estimate (what backward saves) leaves out."""
+    from . import checkpoint as ac  # a technique, as train.py's --checkpoint applies it
+    config = models.MODEL_PRESETS[model_name]
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g) for _ in range(2))
+    rows = []
+    for mode in ("none", "full", "selective"):
+        model = models.build_model(model_name, seed=0)
+        if mode != "none":
+            keep_linears = functools.partial(ac.create_selective_checkpoint_contexts, list(ac.LINEAR_OPS))
+            extra = {"context_fn": keep_linears} if mode == "selective" else {}
+            wrapper = lambda m: ac.checkpoint_wrapper(m, ac.CheckpointImpl.NO_REENTRANT, **extra)  # noqa: E731
+            ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                              check_fn=lambda m: isinstance(m, models.Block))
+        tracker = MemoryTracker()
+        tracker.track_model(model)
+        with tracker:
+            loss = models.lm_loss(model(x.clone()), y.clone())  # ids made inside count, as in training
+            measured = tracker.snapshot()[ACTIVATIONS]
+            loss.backward()
+        tracker.close()
+        predicted = estimate.gpt_checkpoint_activation_bytes(config, batch, config.block_size, checkpoint=mode)
+        rows.append({"checkpoint": mode, "batch": batch, "predicted": predicted["total"], "measured": measured})
+    return rows
+
+
+def activation_table(rows: list[dict[str, Any]]) -> str:
+    mib = 2 ** 20
+    lines = ["| sequences per rank | --checkpoint | predicted MiB | measured MiB | measured − predicted (B) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['checkpoint']} | {r['predicted'] / mib:.3f} | {r['measured'] / mib:.3f} | "
+                     f"{r['measured'] - r['predicted']:+d} |")
+    return "\n".join(lines)
+
+
 _PAPER_LABEL = {k: f"{v}Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}
 
 
@@ -334,9 +383,15 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
         for world_size in cfg.world_sizes:
             print(f"{ours} vs {theirs}, {cfg.model}, world size {world_size}", flush=True)
             rows.append(bench_pair(cfg, ours, theirs, world_size))
+    activations = []  # estimate vs tracker, when a pair checkpoints
+    if any(side_checkpoint(side) != "none" for pair in pairs for side in pair):
+        for world_size in cfg.world_sizes:
+            activations += activation_rows(cfg.model, cfg.batch_size // world_size)
     with open(os.path.join(cfg.out, "bench.json"), "w") as f:
-        json.dump({"config": dataclasses.asdict(cfg), "rows": rows}, f, indent=1)
+        json.dump({"config": dataclasses.asdict(cfg), "rows": rows, "activations": activations}, f, indent=1)
     print(table(rows))
+    if activations:
+        print("\nActivations after one rank's forward (" + cfg.model + "):\n" + activation_table(activations))
     print(f"\nwrote {cfg.out}/bench.json")
     return rows
 

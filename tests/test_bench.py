@@ -75,6 +75,14 @@ def test_bench_pair_writes_ratios(tmp_path):
     assert f"| 2 | {ours} | {theirs} |" in bench.table(rows) and "| 2Ψ = " in bench.table(rows)
 
 
+def test_activation_rows_measure_what_estimate_predicts():
+    rows = {r["checkpoint"]: r for r in bench.activation_rows("gpt-tiny", 4)}
+    for mode, r in rows.items():  # the tracker also holds the fp32 loss scalar (4 B) that backward does not save
+        assert r["measured"] - r["predicted"] == 4, f"{mode}: measured {r['measured']} B, predicted {r['predicted']} B"
+    assert rows["full"]["measured"] < rows["selective"]["measured"] < rows["none"]["measured"]
+    assert "| 4 | full |" in bench.activation_table(list(rows.values()))
+
+
 def test_every_preset_pair_parses():
     assert len(bench.PRESETS["issue4"]) == 9
     for pair in bench.PRESETS["issue4"]:
