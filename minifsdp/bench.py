@@ -59,7 +59,7 @@ import torch
 
 from . import estimate, models, planner
 from .memory import ACTIVATIONS, MemoryTracker
-from .train import SHARDING_OPTIONS, STRATEGIES, TrainConfig, train, validate
+from .train import SHARDED_GRAD_STRATEGIES, SHARDING_OPTIONS, STRATEGIES, TrainConfig, train, validate
 
 # Every pair of issue 4 (ZeRO-1/2/3 and each sharding strategy beside torch's own).
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -73,9 +73,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
     # Issue 9: mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a
     # MixedPrecision policy, torch's own on torch's side), side%autocast runs forward under torch.autocast.
+    # %fp16 adds the gradient scaler: ShardedGradScaler beside torch's (FSDP), GradScaler beside torch.amp's (DDP).
     "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
                   "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "ddp%bf16:torch-ddp%bf16",
-                  "tp%bf16:torch-tp%bf16"),
+                  "tp%bf16:torch-tp%bf16", "fsdp%fp16:torch-fsdp%fp16", "ddp%fp16:torch-ddp%fp16"),
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
@@ -204,6 +205,7 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     dtypes: FSDP gathers and reduces 16-bit (policy p, p, p); DDP and ZeRO keep fp32 parameters (and
     buffers) and reduce 16-bit gradients (``reduce_dtype``). Tensor parallel: ``planner.tp_comm_bytes``, its
     forward all-reduces 16-bit under autocast (``forward_elem=2``), all but the loss's under fsdp+tp's policy.
+    ``%fp16`` adds the sharded gradient scaler's found-inf all-reduce (8 B) where gradients are sharded.
 
     ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's kΨ
     (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
@@ -231,9 +233,11 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     # --checkpoint re-runs each block's forward in backward up to its last saved tensor (early stop):
     # the attention's row-parallel all-reduce (2x volume) again, not the MLP's closing one
     recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * config.n_layer * config.n_embd * forward_elem
+    # fp16's sharded gradient scaler all-reduces its found-inf flag every step: one fp32, counted twice
+    found_inf = 2 * 4 if precision == "fp16" and name in SHARDED_GRAD_STRATEGIES else 0
     if name in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
         by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size, forward_elem=forward_elem)
-        by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size
+        by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size + found_inf
         return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
                 "n_params": models.count_parameters(model)}
     if name in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
@@ -241,7 +245,7 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
         plan = planner.plan(model_name, batch=batch_size, dp=dp, tp=2, zero_stage=3, precision=precision)
         if autocast:  # fp32 parameters, autocast compute: only the forward g's are 16-bit
             plan.comm["tp"] = planner.tp_comm_bytes(config, batch_size // dp * config.block_size, 2, forward_elem=2)
-        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // dp}
+        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // dp + found_inf}
         for ops in plan.comm.values():
             for op, b in ops.items():
                 by_op[op] = by_op.get(op, 0) + b
@@ -256,7 +260,9 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     grad_dtype = torch.float32 if name == "ddp-naive" else low  # what is reduced (ddp-naive has no policy)
     by_op = estimate.comm_bytes_per_step(units, world_size, strategy, dtype, root_numel=root, buffer_bytes=buffers,
                                          shard_size=shard, grad_dtype=grad_dtype)
-    total = by_op.pop("total")
+    total = by_op.pop("total") + found_inf
+    if found_inf:
+        by_op["all_reduce"] = by_op.get("all_reduce", 0) + found_inf
     n_params = sum(units) + root
     paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None
     paper = estimate.paper_comm_bytes(n_params, strategy) if paper_key else None

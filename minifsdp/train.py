@@ -520,7 +520,7 @@ PRECISION_STRATEGIES += ("pp", "pp+dp", "torch-pp", "3d")  # bf16 autocast aroun
 # parameters cast by the wrapper: no autocast needed
 _POLICY_STRATEGIES = ("fsdp", "fsdp+tp", "torch-fsdp", "torch-fsdp2", "torch-fsdp+tp")
 # each rank holds part of the gradients: the scaler's found-inf flag is all-reduced
-_SHARDED_GRADS = ("zero2", "fsdp", "tp", "fsdp+tp", "torch-fsdp", "torch-fsdp2")
+SHARDED_GRAD_STRATEGIES = ("zero2", "fsdp", "tp", "fsdp+tp", "torch-fsdp", "torch-fsdp2")
 
 
 def _autocast(cfg: TrainConfig, device: torch.device) -> Any:
@@ -536,10 +536,10 @@ def _grad_scaler(cfg: TrainConfig, device: torch.device) -> Any:
     enabled = cfg.precision == "fp16"
     if cfg.strategy.startswith("torch-"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
-        return (TorchSharded(device.type, enabled=enabled) if cfg.strategy in _SHARDED_GRADS
+        return (TorchSharded(device.type, enabled=enabled) if cfg.strategy in SHARDED_GRAD_STRATEGIES
                 else torch.amp.GradScaler(device.type, enabled=enabled))
     check_dtype_supported(PRECISIONS[cfg.precision], device)
-    cls = ShardedGradScaler if cfg.strategy in _SHARDED_GRADS else GradScaler
+    cls = ShardedGradScaler if cfg.strategy in SHARDED_GRAD_STRATEGIES else GradScaler
     return cls(device, enabled=enabled)
 
 

@@ -76,3 +76,24 @@ def test_bf16_gradients_of_ddp_and_zero_are_predicted_to_the_byte(world):
         assert expected["by_op"]["broadcast"] == fp32["broadcast"], side  # fp32 parameters and buffers
         for rank, recorded in enumerate(per_rank):
             assert recorded[i] == expected["by_op"], (side, world, rank, recorded[i], expected["by_op"])
+
+
+def test_fp16_scaler_found_inf_flag_is_counted():
+    """fp16 adds the gradient scaler. Where gradients are sharded (zero2, fsdp) every rank saw only its part, so
+    ShardedGradScaler all-reduces the found-inf flag: one fp32 per step, 8 B in the all-reduce's 2x convention.
+    DDP's gradients are whole on every rank: its GradScaler moves nothing."""
+    sides = ("ddp", "zero2", "fsdp@FULL_SHARD")
+    configs = [TrainConfig(strategy=bench.parse_side(s)[0], world_size=2, model="gpt-tiny", steps=1, batch_size=2,
+                           quiet=True, track_memory=False, write_plots=False, precision="fp16") for s in sides]
+    per_rank = launch(_one_step_each, 2, configs, timeout=180)
+    for i, side in enumerate(sides):
+        expected = bench.expected_bytes("gpt-tiny", side + "%fp16", 2)
+        if side == "fsdp@FULL_SHARD":  # gathers and reduce-scatters fp16; all-reduces only the flag
+            assert expected["by_op"]["all_reduce"] == 8
+        else:  # fp32 parameters, fp16 gradients (as bf16's test) + the flag where gradients are sharded
+            by_hand = _by_hand(side, 2, grad_dtype=torch.float16)
+            if side == "zero2":
+                by_hand["all_reduce"] = 8
+            assert expected["by_op"] == by_hand, side
+        for rank, recorded in enumerate(per_rank):
+            assert recorded[i] == expected["by_op"], (side, rank, recorded[i], expected["by_op"])
