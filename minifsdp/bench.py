@@ -76,15 +76,17 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # %fp16 adds the gradient scaler: ShardedGradScaler beside torch's (FSDP), GradScaler beside torch.amp's (DDP).
     "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
                   "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "ddp%bf16:torch-ddp%bf16",
-                  "tp%bf16:torch-tp%bf16", "fsdp%fp16:torch-fsdp%fp16", "ddp%fp16:torch-ddp%fp16"),
+                  "fsdp%fp16:torch-fsdp%fp16", "ddp%fp16:torch-ddp%fp16"),
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
     # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
-    "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp", "tp#full:torch-tp#full"),
+    # tp%bf16: autocast, its forward all-reduces 16-bit.
+    "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp", "tp#full:torch-tp#full", "tp%bf16:torch-tp%bf16"),
 }
 # A preset's model when --model is not given: tensor parallel at 4 ranks needs heads divisible by 4
-# (gpt-small has 6), and bf16 is emulated on CPUs without AVX512-BF16 (a gpt-small bf16 step: ~66 s here).
-PRESET_MODELS = {"tensor": "gpt-mini", "precision": "gpt-mini"}
+# (gpt-small has 6). On a CPU without AVX512-BF16, bf16 is emulated (a gpt-small bf16 step took ~66 s on
+# one such machine): run --preset precision with --model gpt-mini there.
+PRESET_MODELS = {"tensor": "gpt-mini"}
 TP_SIDES = ("tp", "torch-tp")  # tp = the world size
 TP2D_SIDES = ("fsdp+tp", "torch-fsdp+tp")  # dp = world size / 2, tp = 2
 PIPELINE_SIDES = ("pp", "torch-pp")  # their @option is the schedule
@@ -390,7 +392,9 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
             print(f"{ours} vs {theirs}, {cfg.model}, world size {world_size}", flush=True)
             rows.append(bench_pair(cfg, ours, theirs, world_size))
     activations = []  # estimate vs tracker, when a pair checkpoints
-    if any(side_checkpoint(side) != "none" for pair in pairs for side in pair):
+    # data-parallel sides only: tensor and pipeline parallel split the activations themselves
+    if any(side_checkpoint(side) != "none" and parse_side(side)[0] not in TP_SIDES + TP2D_SIDES + PIPELINE_SIDES
+           for pair in pairs for side in pair):
         for world_size in cfg.world_sizes:
             activations += activation_rows(cfg.model, cfg.batch_size // world_size)
     with open(os.path.join(cfg.out, "bench.json"), "w") as f:
