@@ -122,3 +122,20 @@ def test_bench_checks_every_run_before_the_first(tmp_path):
                                     batch_size=6, out=str(tmp_path / "hybrid")))
     with pytest.raises(ValueError, match="multiple of world size"):
         bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(3,), out=str(tmp_path / "batch")))
+
+
+def test_pin_malloc_sets_glibc_thresholds_before_the_first_run(tmp_path, monkeypatch):
+    for name in bench.PINNED_MALLOC:  # setenv first: monkeypatch then restores the original (unset) afterwards
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    seen = {}
+
+    def first_run(cfg, ours, theirs, world_size):  # stands in for the runs: what would the workers inherit?
+        seen.update({k: bench.os.environ.get(k) for k in bench.PINNED_MALLOC})
+        raise RuntimeError("stop after the check")
+
+    monkeypatch.setattr(bench, "bench_pair", first_run)
+    with pytest.raises(RuntimeError, match="stop after the check"):
+        bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), pairs=("ddp:torch-ddp",), out=str(tmp_path),
+                                    pin_malloc=True))
+    assert seen == bench.PINNED_MALLOC
