@@ -117,6 +117,7 @@ class FlatParamHandle:
         with torch.no_grad():
             flat = self.flatten([p.detach().to(device) for p in unique])
             shard = flat[self.shard_rank * self.shard_numel:(self.shard_rank + 1) * self.shard_numel].clone()
+            del flat  # before the unsharded buffer below exists: wrapping's transient is flat or buffer, not both
         requires_grad = unique[0].requires_grad
         self.flat_param = nn.Parameter(shard.to("cpu" if offload else device), requires_grad=requires_grad)
         # Without sharding, low precision or offload, the "unsharded" tensor can
