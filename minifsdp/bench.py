@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -66,7 +65,8 @@ import torch
 
 from . import estimate, models, planner
 from .memory import ACTIVATIONS, MemoryTracker
-from .train import SHARDED_GRAD_STRATEGIES, SHARDING_OPTIONS, STRATEGIES, TrainConfig, train, validate
+from .train import (SHARDED_GRAD_STRATEGIES, SHARDING_OPTIONS, STRATEGIES, TrainConfig, apply_checkpointing, train,
+                    validate)
 
 # Every pair of issue 4 (ZeRO-1/2/3 and each sharding strategy beside torch's own).
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -332,19 +332,14 @@ def activation_rows(model_name: str, batch: int) -> list[dict[str, Any]]:
     ``--checkpoint`` mode: ``estimate.gpt_checkpoint_activation_bytes`` and the memory tracker's
     ``activations`` after the forward, on one process (sharding changes parameters, not activations).
     The tracker also sees the 4-byte loss itself, which the estimate (what backward saves) leaves out."""
-    from . import checkpoint as ac  # a technique, as train.py's --checkpoint applies it
     config = models.MODEL_PRESETS[model_name]
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g) for _ in range(2))
     rows = []
     for mode in ("none", "full", "selective"):
         model = models.build_model(model_name, seed=0)
-        if mode != "none":
-            keep_linears = functools.partial(ac.create_selective_checkpoint_contexts, list(ac.LINEAR_OPS))
-            extra = {"context_fn": keep_linears} if mode == "selective" else {}
-            wrapper = lambda m: ac.checkpoint_wrapper(m, ac.CheckpointImpl.NO_REENTRANT, **extra)  # noqa: E731
-            ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
-                                              check_fn=lambda m: isinstance(m, models.Block))
+        if mode != "none":  # as train --checkpoint wraps minifsdp's sides
+            apply_checkpointing(model, TrainConfig(checkpoint=mode))
         tracker = MemoryTracker()
         tracker.track_model(model)
         with tracker:

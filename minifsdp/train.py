@@ -235,7 +235,7 @@ def _tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
     mesh = initialize_model_parallel(cfg.tp, mesh=DeviceMesh(dp=dp, tp=cfg.tp))
     wrapped = tensor_parallel_gpt(model, sequence_parallel=cfg.sequence_parallel)
     if cfg.checkpoint != "none":  # the split blocks, before FSDP wraps them (as _fsdp's order)
-        _apply_checkpointing(wrapped, cfg, ParallelBlock)
+        apply_checkpointing(wrapped, cfg, ParallelBlock)
     if cfg.strategy == "fsdp+tp":
         from .fsdp import FullyShardedDataParallel as FSDP
         from .fsdp import ModuleWrapPolicy, ShardingStrategy
@@ -258,7 +258,7 @@ def _torch_tensor_parallel(model: torch.nn.Module, cfg: TrainConfig):
 
     wrapped = torch_tensor_parallel_gpt(model, cfg.tp)
     if cfg.checkpoint != "none":
-        _apply_checkpointing(wrapped, cfg)
+        apply_checkpointing(wrapped, cfg)
     wrapped.train_step = functools.partial(torch_tp_train_step, wrapped, autocast=lambda: _autocast(cfg, dist.device()))
     wrapped.data_parallel_rank, wrapped.data_parallel_size = 0, 1  # every rank reads the whole batch
     return wrapped, _adamw(wrapped.parameters(), cfg)
@@ -272,7 +272,7 @@ def _torch_fsdp_tp(model: torch.nn.Module, cfg: TrainConfig):
     from .tensor_parallel.torch_tp import torch_fsdp_tp_gpt, torch_tp_train_step
 
     wrapped, dp_rank = torch_fsdp_tp_gpt(model, cfg.dp, cfg.tp, mp_policy=torch_reference.mixed_precision_policy(cfg),
-                                         before_shard=functools.partial(_apply_checkpointing, cfg=cfg)
+                                         before_shard=functools.partial(apply_checkpointing, cfg=cfg)
                                          if cfg.checkpoint != "none" else None)
     wrapped.train_step = functools.partial(torch_tp_train_step, wrapped, autocast=lambda: _autocast(cfg, dist.device()))
     wrapped.data_parallel_rank, wrapped.data_parallel_size = dp_rank, cfg.dp
@@ -290,7 +290,7 @@ def _three_d(model: torch.nn.Module, cfg: TrainConfig):
     mesh = initialize_model_parallel(cfg.tp, cfg.pp, mesh=DeviceMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp))
     split = tensor_parallel_gpt(model)
     if cfg.checkpoint != "none":  # the split blocks, before the pipeline cuts the model (as _tensor_parallel)
-        _apply_checkpointing(split, cfg, ParallelBlock)
+        apply_checkpointing(split, cfg, ParallelBlock)
     wrapped = PipelineParallel(split, cfg.pp, cfg.micro_batches, cfg.schedule,
                                cfg.virtual_stages, dp=cfg.dp, pp_group=mesh.get_group("pp"),
                                dp_group=mesh.get_group("dp") if cfg.dp > 1 else None,
@@ -437,7 +437,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if tracker is not None:
             tracker.track_model(model)
         if cfg.checkpoint != "none" and cfg.strategy not in _CHECKPOINT_IN_BUILDER:
-            _apply_checkpointing(model, cfg)  # checkpoint the blocks, then wrap: PyTorch's recipe order
+            apply_checkpointing(model, cfg)  # checkpoint the blocks, then wrap: PyTorch's recipe order
         with trace.span("wrap"):
             model, optimizer = STRATEGIES[cfg.strategy](model, cfg)
         if tracker is not None:
@@ -489,7 +489,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
 _CHECKPOINT_IN_BUILDER = ("tp", "fsdp+tp", "torch-tp", "torch-fsdp+tp", "3d")
 
 
-def _apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig, block: type = models.Block) -> None:
+def apply_checkpointing(model: torch.nn.Module, cfg: TrainConfig, block: type = models.Block) -> None:
     """--checkpoint: wrap every ``block`` (a Block, or tensor parallel's ParallelBlock). full recomputes
     the whole block in backward; selective keeps its linear layers' outputs and recomputes the rest
     (minifsdp.checkpoint.selective). torch's strategies get torch's own checkpoint_wrapper, so the

@@ -4,7 +4,7 @@ Activation checkpointing recomputes, bit for bit (fp32), what the forward would
 have saved, so ``--strategy single`` trains *identically* with and without it;
 every parallel strategy with it matches single's losses within the trainer's
 fp32 tolerance (LOSS_RTOL, as tests/test_train.py). torch-* strategies use
-torch's own checkpoint_wrapper (train._apply_checkpointing).
+torch's own checkpoint_wrapper (train.apply_checkpointing).
 """
 
 import pytest
