@@ -6,18 +6,18 @@ guarantees:
 
 * nbval's: every cell runs without error, and each cell marked
   ``# NBVAL_CHECK_OUTPUT`` prints what the stored notebook shows;
-* device discipline: on a machine without CUDA the kernel starts with
-  ``MINIFSDP_FAKE_GPU=1``, so every worker the notebook ``launch``es runs on a
-  pretend GPU and every collective checks that its tensors are on
-  ``dist.device()`` (minifsdp/fake_gpu.py). Only launched workers change; the
+* a 2-GPU VM and its device discipline: on a machine without CUDA the kernel
+  starts with ``MINIFSDP_FAKE_GPU=2`` (``NBVAL_GPUS``), a pretend 2-GPU machine:
+  every worker of a launch of at most 2 ranks runs on a pretend GPU, where every
+  collective checks that its tensors are on ``dist.device()``
+  (minifsdp/fake_gpu.py), and a launch of more ranks runs CPU ranks, as on the VM. Only launched workers change; the
   notebook's own process runs as before, and a pretend GPU prints and compares
   as ``cpu``, so the compared outputs are the same. On a GPU machine the workers
   run on the real GPUs with NCCL, which is the check itself.
 
-tests/test_notebooks.py::test_solution_device_discipline runs the same check
-through nbclient for a notebook that nbval does not run in the session
-(``pytest tests/test_notebooks.py`` alone), and skips the others: one execution
-per notebook instead of two (a solution runs for 30 s to a few minutes on 2 cores).
+tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution once
+more through nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``), and as a 2-GPU VM
+for a notebook that nbval does not run in the session.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import os
 import pytest
 
 FAKE_GPU_ENV = "MINIFSDP_FAKE_GPU"   # minifsdp.fake_gpu.ENV (not imported: collecting must not import torch)
+NBVAL_GPUS = "2"
 _outside = os.environ.get(FAKE_GPU_ENV)
 
 
@@ -41,7 +42,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """nbval starts a notebook's kernel while setting up its first cell, right after this hook: the kernel
     (and every worker it launches) inherits the variable. Every other test sees the environment as it was."""
     if item.path.suffix == ".ipynb" and not _has_cuda():
-        os.environ[FAKE_GPU_ENV] = "1"
+        os.environ[FAKE_GPU_ENV] = NBVAL_GPUS
     elif _outside is None:
         os.environ.pop(FAKE_GPU_ENV, None)
     else:

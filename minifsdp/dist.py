@@ -46,9 +46,21 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank()))
 
 
+def gpu_count() -> int:
+    """GPUs this machine gives ranks: CUDA's device count, or the pretend count of ``MINIFSDP_FAKE_GPU=N``.
+
+    The pretend count (``fake_gpu.py``) lets a CPU machine behave as a VM with N GPUs: ``launch``,
+    ``available_ranks`` and ``lab_world_size`` then decide exactly as they would there.
+    """
+    pretend = os.environ.get("MINIFSDP_FAKE_GPU", "")  # fake_gpu.ENV (fake_gpu imports this module)
+    if pretend.isdigit() and int(pretend) > 0:
+        return int(pretend)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_backend() -> str:
-    """``nccl`` when CUDA is available, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``nccl`` when there are GPUs (real, or pretend under ``MINIFSDP_FAKE_GPU=N``), else ``gloo``."""
+    return "nccl" if gpu_count() > 0 else "gloo"
 
 
 def backend() -> str:
@@ -71,7 +83,7 @@ def device() -> torch.device:
 def available_ranks(backend: str | None = None) -> int:
     """How many ranks ``launch`` can start here: one per GPU with NCCL; on CPU (gloo) ranks are processes, 8."""
     if (backend or default_backend()) == "nccl":
-        return torch.cuda.device_count()
+        return gpu_count()
     return 8
 
 
@@ -104,6 +116,8 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     if is_initialized():
         return
     backend = backend or default_backend()
+    if not torch.cuda.is_available():  # a pretend GPU count (MINIFSDP_FAKE_GPU=N) talks gloo underneath
+        backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one, in-memory store
         tdist.init_process_group(backend=backend, store=tdist.HashStore(), rank=0, world_size=1,

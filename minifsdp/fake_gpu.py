@@ -6,7 +6,11 @@ NCCL rejects CPU tensors. On a laptop ``dist.device()`` is ``cpu``, so a worker
 that forgets ``device=dist.device()`` runs fine there and fails only on the VM.
 
 Under a **pretend GPU** the forgotten device shows on the CPU too.
-``MINIFSDP_FAKE_GPU=1`` in the environment makes ``launch``'s workers run with:
+``MINIFSDP_FAKE_GPU=N`` in the environment makes this CPU machine a VM with N
+GPUs: ``dist.gpu_count()`` is N, so ``launch``, ``dist.available_ranks`` and
+``dist.lab_world_size`` decide as they would there (a launch of more ranks than
+N runs CPU ranks and says so; ``backend="nccl"`` refuses it), and every launch
+of at most N ranks runs its workers as GPU ranks, with:
 
 * ``dist.device()`` returning ``FAKE_GPU``: one particular ``torch.device("cpu")``
   object, told apart from every other ``cpu`` by identity. It prints and compares
@@ -36,7 +40,7 @@ factory given ``device=t.device`` of a remembered ``t`` (a fresh ``cpu``
 object) makes an unremembered tensor, so it can raise a false alarm, never
 miss a CPU tensor. Use ``dist.device()``, ``t.new_*`` or ``torch.*_like(t)``.
 
-    >>> import os; os.environ["MINIFSDP_FAKE_GPU"] = "1"      # doctest: +SKIP
+    >>> import os; os.environ["MINIFSDP_FAKE_GPU"] = "2"      # doctest: +SKIP
     >>> launch(lambda: comm.all_reduce(torch.ones(3)), 2)      # doctest: +SKIP
     WorkerError: ranks 0-1 failed: DeviceDisciplineError: all_reduce got a tensor on the CPU ...
 """
@@ -68,8 +72,14 @@ class DeviceDisciplineError(RuntimeError):
     """A worker passed a tensor that would be on the CPU, on a GPU machine, to a collective."""
 
 
+def count() -> int:
+    """The pretend GPU count (``MINIFSDP_FAKE_GPU=N``, N >= 1), or 0 when there is no pretend GPU."""
+    value = os.environ.get(ENV, "")
+    return int(value) if value.isdigit() else 0
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    return count() > 0
 
 
 class _Marks:

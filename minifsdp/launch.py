@@ -110,7 +110,7 @@ class LaunchTimeout(LaunchError, TimeoutError):
 def max_world_size(backend: str | None = None) -> int:
     """A sane number of ranks for this machine: one per GPU with NCCL, else 4 per CPU core (at least 8)."""
     if (backend or dist.default_backend()) == "nccl":
-        return torch.cuda.device_count()
+        return dist.gpu_count()
     return max(8, 4 * (os.cpu_count() or 1))
 
 
@@ -160,7 +160,7 @@ def _run_rank(rank: int, world_size: int, payload: bytes, store_path: str,
         # each rank was) fires before a collective's own timeout does.
         tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout_s + 10))
-        # MINIFSDP_FAKE_GPU=1: run as if on a GPU, every collective checking its tensors' device (fake_gpu.py).
+        # MINIFSDP_FAKE_GPU=N (a GPU rank): run as if on a GPU, every collective checking its tensors' device (fake_gpu.py).
         with fake_gpu.pretend_gpu() if pretend_gpu else contextlib.nullcontext():
             result = fn(*args, **kwargs)
         tdist.barrier()  # nobody tears the group down while a peer still talks to it
@@ -254,9 +254,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     Raises ``WorkerError`` naming the failing rank(s) with their original
     traceback, or ``LaunchTimeout`` naming the ranks still running after
     ``timeout`` seconds. No worker outlives the call.
+
+    Backend: ``None`` runs one rank per GPU with NCCL when the machine has
+    ``world_size`` GPUs, else CPU ranks with gloo, saying so in one line (a
+    lab asking for 4 ranks runs on a 1- or 2-GPU VM too); ``"nccl"`` refuses
+    more ranks than GPUs; ``"gloo"`` always runs CPU ranks.
     """
-    backend = backend or dist.default_backend()
+    backend = backend or _default_backend_for(world_size)
     _validate(fn, world_size, timeout, backend)
+    # MINIFSDP_FAKE_GPU=N: "nccl" ranks are gloo processes on a pretend GPU (fake_gpu.py)
+    pretend_gpu = backend == "nccl" and fake_gpu.enabled() and not torch.cuda.is_available()
+    if pretend_gpu:
+        backend = "gloo"
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     try:
         payload = _pickle_by_value(fn, args, kwargs)
@@ -271,7 +280,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     procs = [ctx.Process(target=_worker_main, name=f"minifsdp-rank{r}", daemon=True,
                          args=(r, world_size, payload, os.path.join(run_dir, "store"), backend,
                                timeout, threads, os.getpid(), results, stack_files[r],
-                               fake_gpu.enabled()))  # read here: the forkserver's environment is older
+                               pretend_gpu))  # decided here: the forkserver's environment is older
              for r in range(world_size)]
     try:
         with _main_not_reimported():
@@ -287,13 +296,30 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         shutil.rmtree(run_dir, ignore_errors=True)  # stack dumps, and the store file a killed rank left
 
 
+_said: set[tuple[int, int]] = set()  # (ranks, GPUs) already explained in this process
+
+
+def _default_backend_for(world_size: int) -> str:
+    """NCCL when every rank gets a GPU of its own, else CPU ranks (gloo), said once in one line."""
+    gpus = dist.gpu_count()
+    if gpus == 0:
+        return "gloo"
+    if isinstance(world_size, int) and world_size > gpus:
+        if (world_size, gpus) not in _said:
+            _said.add((world_size, gpus))
+            print(f"[minifsdp] {world_size} ranks, {gpus} GPU(s) here: running the {world_size} ranks on the CPU "
+                  "(gloo) - the same code and results, CPU speed")
+        return "gloo"
+    return "nccl"
+
+
 def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> None:
     if not callable(fn):
         raise TypeError(f"launch(fn, world_size): fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if backend == "nccl" and world_size > torch.cuda.device_count():
-        gpus = torch.cuda.device_count()
+    if backend == "nccl" and world_size > dist.gpu_count():
+        gpus = dist.gpu_count()
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs with NCCL (one per rank) and this "
                          f"machine has {gpus}: use world_size=dist.lab_world_size({world_size}) (= {gpus} here), "
                          f"or backend='gloo' to run {world_size} ranks on the CPU")

@@ -12,16 +12,78 @@ solution's text)::
     test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistakes_still_match_the_solution = \
         lab_tests(L07, CHECKS, (LONG_WARMUP, BACKWARD_FIRST), words=("yours", "target"))
 
-``load``, ``fails`` and ``edits_apply`` (test_labcheck_00_02.py) run the
-notebook's exercise cells the way a notebook does; see there.
+``load``, ``fails`` and ``edits_apply`` run the notebook's exercise cells the
+way a notebook does: the learner's code is taken from the real notebook sources
+(solutions/src/NN_*.py), exec'd in a ``__main__`` namespace, so ``launch`` sends
+it to the workers by value. A mistake is the solution with one small edit.
+``shortcut`` is a mistake that swaps an exercise for the library: the check must
+refuse it, saying so ("library").
 """
 from __future__ import annotations
 
+import linecache
+import re
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
-from test_labcheck_00_02 import edits_apply, fails, load
+import nbformat
+import pytest
 
-__all__ = ["lab_tests", "mistakes_match", "solution_passes", "blank_fails", "fails", "load"]
+from minifsdp.labcheck.verdict import CheckFailed
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import notebooks as nbt  # noqa: E402
+
+
+def _cells(stem: str) -> list:
+    text = (ROOT / "solutions" / "src" / f"{stem}.py").read_text(encoding="utf-8")
+    return [c for c in nbt.parse_source(text, stem) if c.cell_type == "code"]
+
+
+def load(stem: str, *, blank: bool = False, edits: tuple[tuple[str, str], ...] = (),
+         extra: tuple[str, ...] = ()) -> dict:
+    """The notebook's import cell, then every exercise cell (blank: the lab's version, or with ``edits``)."""
+    cells = _cells(stem)
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(cells[0].source, f"<{stem} imports>", "exec"), ns)
+    for cell in cells[1:]:
+        source = cell.source
+        if any(marker in source for marker in extra) and "# BEGIN SOLUTION" not in source:
+            exec(compile(source, f"<{stem}>", "exec"), ns)
+            continue
+        if "# BEGIN SOLUTION" not in source:
+            continue
+        if blank:
+            source = nbt.make_lab_source(source)[0]
+        for old, new in edits:
+            if old in source:
+                source = source.replace(old, new)
+        exec(compile(source, f"<{stem} exercise>", "exec"), ns)
+    return ns
+
+
+def edits_apply(stem: str, edits: tuple[tuple[str, str], ...]) -> None:
+    """A mistake that no longer matches the solution's text would test nothing: fail loudly instead."""
+    text = (ROOT / "solutions" / "src" / f"{stem}.py").read_text(encoding="utf-8")
+    missing = [old for old, _ in edits if old not in text]
+    assert not missing, f"the mistake no longer matches {stem}.py: {missing}"
+
+
+def fails(check, *args, words: str) -> str:
+    with pytest.raises(CheckFailed) as info:
+        check(*args)
+    message = str(info.value)
+    assert words.lower() in message.lower(), f"expected {words!r} in the verdict, got: {message}"
+    assert "\n" not in message.strip(), "a verdict is one line"
+    return message
+
+
+
+
+__all__ = ["lab_tests", "mistakes_match", "solution_passes", "blank_fails", "fails", "load", "edits_apply",
+           "shortcut_fails", "ROOT", "cells", "namespace", "fails_with"]
 
 
 def mistakes_match(stem: str, *mistakes: tuple[tuple[str, str], ...]) -> None:
@@ -62,3 +124,45 @@ def lab_tests(stem: str, checks: list[tuple], mistakes: tuple, words: tuple[str,
     def edits() -> None:
         mistakes_match(stem, *mistakes)
     return solution, blank, edits
+
+
+def shortcut_fails(check: Callable, *args: Any) -> str:
+    """A library shortcut (an exercise answered with the library's mechanism, in any form) fails the check,
+    in one sentence naming the library."""
+    return fails(check, *args, words="library")
+
+
+# ------------------------------------------------------------------ notebook cells by needle (labs 03, 04)
+_count = 0
+
+
+def cells(notebook: str, *needles: str) -> list[str]:
+    """The code cells of ``notebook`` that contain one of ``needles`` (in notebook order)."""
+    nb = nbformat.read(ROOT / notebook, as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "code" and any(n in c.source for n in needles)]
+
+
+def namespace(sources: list[str], edits: dict[str, str] | None = None) -> dict:
+    """Execute ``sources`` (after replacing each key of ``edits`` by its value) in a fresh module namespace."""
+    global _count
+    _count += 1
+    name = f"_lab_cells_{_count}"        # not in sys.modules: cloudpickle sends its functions by value
+    text = "\n\n".join(sources)
+    for old, new in (edits or {}).items():
+        assert old in text, f"the mistake's target is not in the notebook any more: {old!r}"
+        text = text.replace(old, new)
+    filename = f"<{name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)   # inspect.getsource works
+    ns = {"__name__": name}
+    exec(compile(text, filename, "exec"), ns)  # noqa: S102 - our own notebook cells
+    return ns
+
+
+def fails_with(call, *words: str) -> str:
+    """``call()`` must raise CheckFailed whose message contains every one of ``words``."""
+    with pytest.raises(CheckFailed) as err:
+        call()
+    message = str(err.value)
+    for w in words:
+        assert re.search(w, message), f"{w!r} not in the verdict: {message}"
+    return message

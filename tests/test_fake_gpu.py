@@ -1,6 +1,6 @@
 """minifsdp.fake_gpu: on a CPU-only machine, catch a worker that would hand CPU tensors to NCCL.
 
-Each worker runs through ``launch`` with MINIFSDP_FAKE_GPU=1 (how the notebooks
+Each worker runs through ``launch`` with MINIFSDP_FAKE_GPU=2 (how the notebooks
 are checked, tests/test_notebooks.py); the good workers are what the labs do,
 the bad ones the mistakes a GPU VM would reject.
 """
@@ -13,7 +13,7 @@ from minifsdp.fake_gpu import ENV
 
 @pytest.fixture(autouse=True)
 def pretend(monkeypatch):
-    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(ENV, "2")  # a pretend 2-GPU machine: 2-rank launches run on pretend GPUs
 
 
 def _good():

@@ -1,6 +1,7 @@
 """The launcher: results by rank, functions sent by value, errors with the root cause, no hangs, no orphans."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -171,10 +172,32 @@ def test_lab_world_size_adapts_to_gpus(two_gpu_machine, capsys):
 
 def test_launch_more_ranks_than_gpus_names_the_fix(two_gpu_machine):
     with pytest.raises(ValueError) as info:
-        launch(_rank_info, 4, 0)  # refused before any process starts: no NCCL on this machine is needed
+        launch(_rank_info, 4, 0, backend="nccl")  # refused before any process starts: no NCCL here is needed
     message = str(info.value)
     assert "needs 4 GPUs" in message and "has 2" in message
     assert "dist.lab_world_size(4)" in message and "backend='gloo'" in message
+
+
+def test_launch_falls_back_to_cpu_ranks_in_one_line(monkeypatch, capsys):
+    """A VM with fewer GPUs than a lesson's ranks runs them as CPU ranks (gloo), said once; pretend count 2."""
+    monkeypatch.setenv("MINIFSDP_FAKE_GPU", "2")
+    monkeypatch.setattr(sys.modules["minifsdp.launch"], "_said", set())  # said once per process: say it here
+    assert dist.gpu_count() == 2 and dist.default_backend() == "nccl" and dist.available_ranks() == 2
+    infos = launch(_rank_info, 4, 0, timeout=60)
+    assert [i["rank"] for i in infos] == [0, 1, 2, 3]
+    assert "4 ranks, 2 GPU(s) here: running the 4 ranks on the CPU (gloo)" in capsys.readouterr().out
+    assert launch(dist.rank, 2, timeout=60) == [0, 1]  # fits the GPUs: pretend GPU ranks, no notice
+    assert "GPU(s) here" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        launch(_rank_info, 4, 0, backend="nccl")
+
+
+def test_pretend_count_rank_is_a_gpu_rank(monkeypatch):
+    """Under MINIFSDP_FAKE_GPU=1 a 1-rank launch runs on the pretend GPU; 2 ranks run on the CPU."""
+    from minifsdp import fake_gpu
+    monkeypatch.setenv("MINIFSDP_FAKE_GPU", "1")
+    assert launch(lambda: dist.device() is fake_gpu.FAKE_GPU, 1, timeout=60) == [True]
+    assert launch(lambda: dist.device() is fake_gpu.FAKE_GPU, 2, timeout=60) == [False, False]
 
 
 def test_no_gpu_visible_with_nccl_is_explained(monkeypatch):

@@ -8,12 +8,13 @@
   with the exercise's ``NotImplementedError`` stub; then every other cell runs
   too, and every check cell must fail (no reference implementation outside the
   exercises);
-* every solution runs with ``MINIFSDP_FAKE_GPU=1`` (device discipline: no
-  worker hands a CPU tensor to a collective; see minifsdp/fake_gpu.py).
+* every solution runs as on a 1-GPU and a 2-GPU VM (``MINIFSDP_FAKE_GPU=1`` / ``2``:
+  device discipline, no worker hands a CPU tensor to a collective, and CPU
+  ranks where a lesson needs more ranks than GPUs; see minifsdp/fake_gpu.py).
 
 ``make test`` executes the solutions with ``pytest --nbval-lax`` (pyproject's
-testpaths include solutions/), under ``MINIFSDP_FAKE_GPU=1`` (conftest.py), so
-each notebook is executed once: the device-discipline test here skips a
+testpaths include solutions/), under ``MINIFSDP_FAKE_GPU=2`` (conftest.py), then
+once more here under ``MINIFSDP_FAKE_GPU=1``: the 2-GPU run here skips a
 notebook that nbval runs in the same session, and the nbclient run of the
 solutions, which adds the twice-run NBVAL_CHECK_OUTPUT comparison, is opt-in:
 ``MINIFSDP_NB_DETERMINISM=1 pytest tests/test_notebooks.py``.  The runner is first tested on
@@ -169,28 +170,32 @@ def test_solution_notebook_runs(path: Path) -> None:
 @pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
 def test_blank_lab_every_check_fails(path: Path) -> None:
     """Every cell of labs/NN.ipynb runs with the exercises unwritten: the first exercise stops with its
-    hint, and EVERY check cell fails. A check passing on the blank lab would mean that a cell outside
-    the exercises holds a reference implementation, or that the check does not run the learner's code."""
+    hint, and EVERY check cell fails, in words (CheckFailed, not a raw traceback). A check passing on the
+    blank lab would mean that a cell outside the exercises holds a reference implementation, or that the
+    check does not run the learner's code. Run as on a 1-GPU VM (MINIFSDP_FAKE_GPU=1), the smallest."""
     lab = ROOT / "labs" / path.name
     assert lab.exists(), f"{lab} is missing; run: python tools/make_labs.py"
     try:
-        runner.run_blank_lab(lab, path, ROOT)
+        runner.run_blank_lab(lab, path, ROOT, env={"MINIFSDP_FAKE_GPU": "1"})
     except runner.NotebookRunError as err:
         pytest.fail(str(err), pytrace=False)
 
 
+@pytest.mark.parametrize("gpus", ["1", "2"])
 @pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
-def test_solution_device_discipline(path: Path, request: pytest.FixtureRequest) -> None:
-    """Every solution runs end to end with MINIFSDP_FAKE_GPU=1: each launched worker runs on a pretend
-    GPU (minifsdp/fake_gpu.py) and every collective checks that its tensors are on dist.device(), so a
-    worker that would hand a CPU tensor to NCCL on a GPU VM fails here, on a CPU-only machine.
+def test_solution_on_pretend_gpus(path: Path, gpus: str, request: pytest.FixtureRequest) -> None:
+    """Every solution runs end to end as on a VM with 1 and with 2 GPUs (``MINIFSDP_FAKE_GPU=N``): a launch
+    of at most N ranks runs on pretend GPUs, where every collective checks that its tensors are on
+    dist.device() (a worker that would hand a CPU tensor to NCCL fails here, on a CPU-only machine), and a
+    launch of more ranks runs CPU ranks, as on the VM. Every check must still pass: a check never needs more
+    GPUs than the machine has, and never counts one rank as a proof.
 
-    When nbval executes every cell of the notebook in this session (``make test``), that run is already
-    under MINIFSDP_FAKE_GPU=1 (conftest.py) and fails the same way: this one would only repeat it."""
-    if any(item.path == path for item in request.session.items) and "NBVAL_SKIP" not in path.read_text():
-        pytest.skip("nbval runs every cell of this notebook in this session, under MINIFSDP_FAKE_GPU=1 "
-                    "(conftest.py)")
+    When nbval executes every cell of the notebook in this session (``make test``), that run is already the
+    2-GPU one (conftest.py): this one would only repeat it."""
+    if gpus == "2" and any(item.path == path for item in request.session.items) \
+            and "NBVAL_SKIP" not in path.read_text():
+        pytest.skip("nbval runs every cell of this notebook in this session, as a 2-GPU VM (conftest.py)")
     try:
-        runner.run_solution(path, ROOT, env={"MINIFSDP_FAKE_GPU": "1"}, recheck_marked=False)
+        runner.run_solution(path, ROOT, env={"MINIFSDP_FAKE_GPU": gpus}, recheck_marked=False)
     except runner.NotebookRunError as err:
         pytest.fail(str(err), pytrace=False)

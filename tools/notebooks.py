@@ -75,6 +75,12 @@ from nbformat import NotebookNode
 
 DEFAULT_HINT = "Exercise: write this part, then run the check cell below."
 MAX_OUTPUT_BYTES = 10_000  # per output of a committed solution notebook
+MAX_HINT_CHARS = 100       # a stub's hint fits beside JupyterLab's file browser (~108 visible)
+MAX_MARKDOWN_WORDS = 150   # a markdown cell outside an "optional deep dive" section (LAB-GUIDE §4)
+DEEP_DIVE = "optional deep dive"
+EXERCISES = (2, 4)          # exercise cells per lab
+EXERCISE_LINES = (5, 25)    # learner lines (code inside BEGIN/END SOLUTION, no comments) per exercise cell
+LAB_LINES = (40, 80)        # learner lines per lab
 KERNEL = "python3"
 
 _MARKER = re.compile(r"^#\s?%%(.*)$")
@@ -343,6 +349,20 @@ def uses_labcheck(nb: NotebookNode) -> bool:
     return any(c.cell_type == "code" and "minifsdp.labcheck" in c.source for c in nb.cells)
 
 
+def learner_lines(source: str) -> int:
+    """Lines the learner writes in a cell: code (not blank, not comment) inside BEGIN/END SOLUTION blocks."""
+    count, inside = 0, False
+    for line in source.splitlines():
+        text = line.strip()
+        if text.startswith("# BEGIN SOLUTION"):
+            inside = True
+        elif text.startswith("# END SOLUTION"):
+            inside = False
+        elif inside and text and not text.startswith("#"):
+            count += 1
+    return count
+
+
 def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
                   max_output_bytes: int = MAX_OUTPUT_BYTES) -> list[str]:
     """Every convention problem of a solution notebook, as readable sentences."""
@@ -361,7 +381,12 @@ def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
                                 f"{max_output_bytes}); rebuild with tools/make_labs.py")
         if not is_exercise(cell):
             continue
-        stub = make_lab_source(cell.source, name, index)[0]
+        stub, hints = make_lab_source(cell.source, name, index)
+        for hint in hints:
+            if len(hint) > MAX_HINT_CHARS:
+                problems.append(f"{name}: cell {index}: the stub's hint is {len(hint)} characters (limit "
+                                f"{MAX_HINT_CHARS}, what shows beside the file browser); keep it to the goal "
+                                "and point to check.hint(...) for more")
         if _parse_cell(cell.source) is not None and _parse_cell(stub) is None:
             problems.append(f"{name}: cell {index}: the lab version of this cell is not valid "
                             "Python; put whole statements between the markers")
@@ -375,4 +400,25 @@ def lint_notebook(nb: NotebookNode, name: str = "<notebook>",
         elif not labcheck and not has_worded_check(nxt[1].source):
             problems.append(f"{name}: check cell {nxt[0]} needs an assert or raise with a "
                             "message in words, e.g. assert ok, \"the sum is wrong\"")
+    sizes = [learner_lines(cell.source) for _, cell in code if is_exercise(cell)]
+    if labcheck and sizes:
+        if not EXERCISES[0] <= len(sizes) <= EXERCISES[1]:
+            problems.append(f"{name}: {len(sizes)} exercise cells; a lab has {EXERCISES[0]}-{EXERCISES[1]}")
+        for k, n in enumerate(sizes, start=1):
+            if not EXERCISE_LINES[0] <= n <= EXERCISE_LINES[1]:
+                problems.append(f"{name}: exercise {k} has {n} learner lines; an exercise has "
+                                f"{EXERCISE_LINES[0]}-{EXERCISE_LINES[1]} (merge small ones, split large ones)")
+        if not LAB_LINES[0] <= sum(sizes) <= LAB_LINES[1]:
+            problems.append(f"{name}: {sum(sizes)} learner lines in all; a lab has {LAB_LINES[0]}-{LAB_LINES[1]}")
+    deep_dive = False
+    for index, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type != "markdown":
+            continue
+        heading = cell.source.lstrip().startswith("#")
+        if heading:  # a new section: is it marked as a deep dive?
+            deep_dive = DEEP_DIVE in cell.source.splitlines()[0].lower()
+        words = len(cell.source.split())
+        if words > MAX_MARKDOWN_WORDS and not deep_dive:
+            problems.append(f"{name}: markdown cell {index} has {words} words (limit {MAX_MARKDOWN_WORDS} outside "
+                            f"a section whose heading says '{DEEP_DIVE}'); split it or move the detail into one")
     return problems

@@ -140,7 +140,7 @@ def run_solution(path: Path, root: Path, timeout: int = CELL_TIMEOUT, env: dict[
                  recheck_marked: bool = True) -> int:
     """Run every cell; raise NotebookRunError at the first failure. Returns cells run.
 
-    ``env``: extra variables for the kernel, e.g. ``{"MINIFSDP_FAKE_GPU": "1"}`` to run every
+    ``env``: extra variables for the kernel, e.g. ``{"MINIFSDP_FAKE_GPU": "2"}`` (a 2-GPU VM) to run every
     ``launch``ed worker on a pretend GPU (minifsdp/fake_gpu.py: device discipline).
     """
     count = 0
@@ -191,14 +191,16 @@ def check_cells(nb: NotebookNode) -> list[int]:
     return [code[k + 1] for k, i in enumerate(code[:-1]) if nbt.is_exercise(nb.cells[i - 1])]
 
 
-def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CELL_TIMEOUT) -> str:
-    """Run EVERY cell of a lab (exercises unwritten); every check cell must fail.
+def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CELL_TIMEOUT,
+                  env: dict[str, str] | None = None) -> str:
+    """Run EVERY cell of a lab (exercises unwritten); every check cell must fail, in words.
 
     The proof that no cell outside the exercises holds a reference implementation:
     if one did (a solution left in a helper cell, a check that computes the answer
     itself instead of calling the learner's code), some check would pass on the
     blank lab. Cells before the first exercise must run cleanly; other cells may
-    fail (they use what the learner has not written yet).
+    fail (they use what the learner has not written yet). A check cell fails in words: with the
+    check's own ``CheckFailed`` (one sentence), never a raw traceback from inside the check.
     """
     sol = nbformat.read(solution, as_version=4)
     checks = check_cells(sol)
@@ -207,8 +209,9 @@ def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CE
         return f"{lab}: no exercise"
     target = exercises[0]
     hints = nbt.make_lab_source(sol.cells[target - 1].source, str(solution), target)[1]
-    passed_checks, first_stop = [], None
-    with contextlib.closing(execute_cells(lab, root, timeout)) as cells:
+    passed_checks, first_stop, raw = [], None, []
+    uses_labcheck = "labcheck" in "".join(c.source for c in sol.cells if c.cell_type == "code")
+    with contextlib.closing(execute_cells(lab, root, timeout, env=env)) as cells:
         for index, error in cells:
             if index < target and error is not None:
                 raise NotebookRunError(error.report(lab, "failed before the first exercise"))
@@ -216,10 +219,15 @@ def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CE
                 first_stop = error
             if index in checks and error is None:
                 passed_checks.append(index)
+            elif index in checks and uses_labcheck and error.ename != "CheckFailed":
+                raw.append(error)
     if passed_checks:
         raise NotebookRunError(
             f"{lab}: check cell(s) {passed_checks} passed although no exercise is written: a cell outside the "
             "exercises holds a reference implementation, or the check does not run the learner's code")
+    if raw:
+        raise NotebookRunError(raw[0].report(lab, "check cell failed with a raw error, not a verdict in words "
+                                                  "(CheckFailed)"))
     text = f"{first_stop.ename}: {first_stop.evalue}\n{first_stop.traceback}" if first_stop else ""
     if not ("NotImplementedError" in text and any(h in text for h in hints)):
         raise NotebookRunError(f"{lab}: the first exercise (cell {target}) or its check did not stop with the "

@@ -6,7 +6,10 @@ notebook (and fails nbval) while the learner reads one sentence, not a
 traceback::
 
     >>> passed("ring all-gather", figures("bytes sent per rank", 96, 96, 96, unit="B"))
-    ✅ ring all-gather: bytes sent per rank: yours 96 B, target 96 B, library 96 B
+    ✅ passed - ring all-gather: bytes sent per rank: yours 96 B, target 96 B, library 96 B
+
+A failing check reads ``❌ not yet - <what>: <why>``: the word as well as the
+mark, since not every machine has an emoji font.
 
 The other helpers are what most checks need:
 
@@ -16,7 +19,12 @@ The other helpers are what most checks need:
 * :func:`not_implemented` and :func:`is_library` / :func:`uses` tell the blank
   lab and a call to the library apart from the learner's own code (LAB-GUIDE §1:
   "the check must tell the learner's own code from a call to the library");
-  :func:`forbid` fails in one sentence on such a call.
+  :func:`forbid` fails in one sentence on such a call;
+* :func:`refuse_library` and :class:`Wire` (``authorship.py``) do it in any form:
+  statically, through aliases, notebook helpers and subclasses, and at run time,
+  where the library's implementation of the exercise trips a wire when it runs
+  inside the learner's code;
+* :class:`Hints` gives ``check.hint(name)``: the next hint, idea first.
 """
 from __future__ import annotations
 
@@ -24,22 +32,24 @@ import dis
 import inspect
 import json
 import re
+import textwrap
 import types
 from typing import Any, Callable
 
 from ..launch import LaunchTimeout, WorkerError, launch
+from .authorship import LibraryShortcut, Wire, library_reached, watched  # noqa: F401 (re-exported)
 
 
 class CheckFailed(AssertionError):
     """A learner's exercise is not right yet; the message says why, in words."""
 
     def _render_traceback_(self) -> list[str]:  # IPython: show the sentence, not a traceback
-        return [f"❌ {self}"]
+        return [f"❌ not yet - {self}"]
 
 
 def passed(what: str, detail: str = "") -> None:
     """Print the one-line success verdict for the exercise ``what``."""
-    print(f"✅ {what}: {detail}" if detail else f"✅ {what}: passed")
+    print(f"✅ passed - {what}: {detail}" if detail else f"✅ passed - {what}")
 
 
 def failed(what: str, why: str) -> None:
@@ -136,18 +146,36 @@ def forbid(what: str, fn: Any, names: tuple[str, ...], why: str, *library: Any) 
         failed(what, why.format(name=ran[0] if ran else getattr(fn, "__name__", "it")))
 
 
+def refuse_library(what: str, fn: Any, *library: Any) -> None:
+    """Fail in one sentence when ``fn`` reaches one of ``library`` by any route a reader of its code can see:
+    a direct call, an alias, a notebook helper that calls it, an import under another name, a subclass."""
+    reached = library_reached(fn, *library)
+    if reached:
+        failed(what, f"your code reaches the library's {reached[0]}: the exercise is to build this mechanism "
+                     "yourself, without minifsdp's implementation of it")
+
+
+def check_world(world_size: int) -> int:
+    """A check's world size: at least 2 ranks (one rank averages, gathers and shards nothing, so it proves
+    nothing); on a machine with fewer GPUs ``launch`` runs them as CPU ranks and says so once."""
+    return max(2, world_size)
+
+
 def run(what: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
         **kwargs: Any) -> list:
     """``launch(fn, world_size, *args)``, with a failing worker turned into one sentence.
 
     An exercise still raising the lab's ``NotImplementedError`` reads "not written
-    yet: <hint>"; any other error names the ranks and the error, once.
+    yet: <hint>"; a run that tripped a library :class:`Wire` says which of the
+    library's functions ran; any other error names the ranks and the error, once.
     """
     try:
         return launch(fn, world_size, *args, timeout=timeout, **kwargs)
     except WorkerError as err:
         first = str(err).splitlines()[0]                 # "ranks 0-3 failed: Error: message (in fn, line 3 ...)"
         ranks, _, error = first.partition(" failed: ")
+        if error.startswith("LibraryShortcut"):
+            failed(what, error.split("LibraryShortcut:", 1)[1].split(" (in ", 1)[0].strip())
         if error.startswith("NotImplementedError"):
             hint = error.split("NotImplementedError:", 1)[1].strip()
             failed(what, f"not written yet (it raised NotImplementedError on {ranks}): {hint}")
@@ -164,8 +192,48 @@ def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except NotImplementedError as err:
         failed(what, f"not written yet (it raised NotImplementedError): {err}")
+    except LibraryShortcut as err:
+        failed(what, str(err))
     except CheckFailed:
         raise
     except Exception as err:  # noqa: BLE001 - the learner's code: say what it raised, in one line
         failed(what, f"your code raised {type(err).__name__}: {err}")
     raise AssertionError("unreachable")
+
+
+class Hints:
+    """``check.hint(name)``: the next hint for exercise ``name``, one at a time, idea first, never the code.
+
+    A lab's check module holds ``hint = Hints({"ring_all_gather": ["idea ...", "layout ...", ...]})``;
+    each call shows the next hint for that exercise, wrapped to 100 characters a line::
+
+        >>> hint = Hints({"double": ["What does doubling add to x?", "x + x is one way."]})
+        >>> hint("double")
+        hint 1 of 2 for double: What does doubling add to x?
+    """
+
+    WIDTH = 100
+
+    def __init__(self, table: dict[str, list[str]]):
+        self.table = table
+        self.shown: dict[str, int] = {}
+
+    def __call__(self, name: Any) -> None:
+        key = getattr(name, "__name__", name)
+        if key not in self.table:
+            names = ", ".join(f'"{n}"' for n in self.table)
+            print(f"no hints for {key!r}: this lab has hints for {names}")
+            return
+        hints = self.table[key]
+        k = self.shown.get(key, 0)
+        if k >= len(hints):
+            print(textwrap.fill(f"no more hints for {key}: run its check; the verdict says what is still wrong. "
+                                "check.hint.again(name) starts over.", self.WIDTH))
+            return
+        self.shown[key] = k + 1
+        print(textwrap.fill(f"hint {k + 1} of {len(hints)} for {key}: {hints[k]}", self.WIDTH,
+                            subsequent_indent="  "))
+
+    def again(self, name: Any) -> None:
+        """Start the hints of ``name`` over."""
+        self.shown.pop(getattr(name, "__name__", name), None)
