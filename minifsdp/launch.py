@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import json
 import multiprocessing as mp
 import multiprocessing.spawn as mp_spawn
 import os
@@ -282,6 +283,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                                timeout, threads, os.getpid(), results, stack_files[r],
                                pretend_gpu))  # decided here: the forkserver's environment is older
              for r in range(world_size)]
+    started = time.perf_counter()
+    outcomes: dict[int, tuple] = {}
     try:
         with _main_not_reimported():
             for p in procs:
@@ -290,10 +293,24 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     finally:
         _stop(procs)
         results.close()
+        _log_launch(world_size, "gpu" if pretend_gpu else backend, started, outcomes)
     try:
         return _results_or_raise(outcomes, world_size, timeout, stack_files)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)  # stack dumps, and the store file a killed rank left
+
+
+LOG_ENV = "MINIFSDP_LAUNCH_LOG"  # a file: each launch appends one JSON line (tools/gpu_check.py reads it)
+
+
+def _log_launch(world_size: int, backend: str, started: float, outcomes: dict[int, tuple]) -> None:
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    ok = len(outcomes) == world_size and all(o[1] == "ok" for o in outcomes.values())
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"world_size": world_size, "backend": backend, "ok": ok,
+                              "seconds": round(time.perf_counter() - started, 3)}) + "\n")
 
 
 _said: set[tuple[int, int]] = set()  # (ranks, GPUs) already explained in this process

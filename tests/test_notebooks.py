@@ -199,3 +199,13 @@ def test_solution_on_pretend_gpus(path: Path, gpus: str, request: pytest.Fixture
         runner.run_solution(path, ROOT, env={"MINIFSDP_FAKE_GPU": gpus}, recheck_marked=False)
     except runner.NotebookRunError as err:
         pytest.fail(str(err), pytrace=False)
+
+
+def test_a_promised_figure_that_is_not_shown_fails(tmp_path: Path) -> None:
+    shown = ("# %% [markdown]\n# # Figures\n\n# %%\n# FIGURE\nfrom minifsdp import plot\n"
+             "fig = plot.Figure(figsize=(2, 1)); fig.add_subplot().plot([1, 2])\nfig\n")
+    build(tmp_path, {"07_fig.py": shown})
+    assert runner.run_solution(tmp_path / "solutions" / "07_fig.ipynb", ROOT) == 1
+    build(tmp_path, {"08_nofig.py": shown.replace("\nfig\n", "\ndef draw():\n    return fig\n_ = draw()\n")})
+    with pytest.raises(runner.NotebookRunError, match="promises a figure"):
+        runner.run_solution(tmp_path / "solutions" / "08_nofig.ipynb", ROOT)

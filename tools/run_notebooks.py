@@ -5,7 +5,9 @@
 
 A solution notebook must run end to end; a cell marked ``# NBVAL_CHECK_OUTPUT``
 is run twice and must print the same text both times (its output is the
-kind a reader compares with the book, so it has to be deterministic).
+kind a reader compares with the book, so it has to be deterministic). A cell
+marked ``# FIGURE`` must show at least one image: a figure that silently
+vanishes (returned inside a function, drawn inside a widget callback) fails.
 
 A lab must run cleanly up to its first exercise and stop there with the
 exercise's ``NotImplementedError`` stub: raised by the exercise cell itself,
@@ -92,12 +94,13 @@ def _text_outputs(cell: NotebookNode) -> list[str]:
 
 
 def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_marked: bool = False,
-                  env: dict[str, str] | None = None) -> Iterator[tuple[int, CellError | None]]:
+                  env: dict[str, str] | None = None,
+                  collect: list[str] | None = None) -> Iterator[tuple[int, CellError | None]]:
     """Run a notebook's code cells in order, yielding (cell number, error or None).
 
     Stop early by breaking out of the loop: the kernel is shut down either way.
     With ``recheck_marked``, a cell marked ``# NBVAL_CHECK_OUTPUT`` runs twice
-    and must print the same text both times.
+    and must print the same text both times. ``collect``: a list that gets each cell's text output.
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -112,6 +115,10 @@ def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_m
                 continue
             error = _run(client, cell, index, (CellExecutionError, CellTimeoutError,
                                                DeadKernelError))
+            if error is None and FIGURE_MARK in cell.source and not _shows_image(cell):
+                error = CellError(index, cell.source, "FIGURE", "the cell promises a figure (# FIGURE) and shows "
+                                  "none: display it (a plot.Figure returned inside a function, or drawn inside a "
+                                  "widget callback, is not shown unless displayed)", "")
             if error is None and recheck_marked and "# NBVAL_CHECK_OUTPUT" in cell.source:
                 first = _text_outputs(cell)
                 error = _run(client, cell, index, (CellExecutionError, CellTimeoutError,
@@ -120,7 +127,16 @@ def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_m
                     error = CellError(index, cell.source, "NBVAL_CHECK_OUTPUT",
                                       "the output differs between two runs",
                                       f"first run: {first!r}\nsecond run: {_text_outputs(cell)!r}")
+            if collect is not None:
+                collect.append("".join(_text_outputs(cell)))
             yield index, error
+
+
+FIGURE_MARK = "# FIGURE"  # a code cell marked so must show at least one image (LAB-GUIDE §4: tests count images)
+
+
+def _shows_image(cell: NotebookNode) -> bool:
+    return any("image/png" in output.get("data", {}) for output in cell.get("outputs", []))
 
 
 def _run(client, cell: NotebookNode, index: int, errors: tuple) -> CellError | None:
