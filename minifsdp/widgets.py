@@ -35,11 +35,17 @@ def planner_figure(p: Plan, cap_bytes: float | None = None) -> plot.Figure:
             mem_ax.bar(0, value, bottom=bottom, color=color, label=cat, width=0.6,
                        hatch="//" if cat == "gathered parameters" else None)
             bottom += value
-    mem_ax.axhline(p.total_memory / 2**20, color="black", linewidth=1, label=f"peak {format_bytes(p.total_memory)}")
+    # The bar stacks each category's own largest size; they are not all alive at once (a unit's gathered
+    # parameters are freed before the next unit's are gathered), so the bar may rise above the peak line.
+    mem_ax.axhline(p.total_memory / 2**20, color="black", linewidth=1,
+                   label=f"peak {format_bytes(p.total_memory)} (alive together)")
     if cap_bytes:
         mem_ax.axhline(cap_bytes / 2**20, color="red", linestyle="--", label=f"cap {format_bytes(cap_bytes)}")
     mem_ax.set_xticks([])
     mem_ax.set_ylabel("MiB per device")
+    if bottom * 2**20 > p.total_memory * 1.001:
+        mem_ax.text(0, bottom, "categories' own maxima:\nnot all alive at once", ha="center", va="bottom",
+                    fontsize=7)
     mem_ax.set_xlim(-0.6, 1.8)
     mem_ax.legend(fontsize=7, loc="upper right")
     lay = p.layout
@@ -70,14 +76,16 @@ def planner_widget(model: str = "gpt-small", batch: int = 8, seq_len: int | None
     from IPython.display import display
 
     config = MODEL_PRESETS[model]
+    # one slider a row, 420 px wide: each value of a 1-8 slider is ~50 px of track, easy to pick with a mouse
+    wide = {"style": {"description_width": "110px"}, "layout": w.Layout(width="420px")}
     controls = {
-        "dp": w.IntSlider(1, 1, 8, description="dp"), "tp": w.IntSlider(1, 1, 8, description="tp"),
-        "pp": w.IntSlider(1, 1, config.n_layer, description="pp"),
-        "micro_batches": w.IntSlider(1, 1, 8, description="micro-batches"),
-        "zero_stage": w.IntSlider(0, 0, 3, description="ZeRO stage"),
-        "precision": w.Dropdown(options=["fp32", "bf16"], value="fp32", description="precision"),
-        "sequence_parallel": w.Checkbox(False, description="sequence parallel"),
-        "checkpointing": w.Checkbox(False, description="checkpointing"),
+        "dp": w.IntSlider(1, 1, 8, description="dp", **wide), "tp": w.IntSlider(1, 1, 8, description="tp", **wide),
+        "pp": w.IntSlider(1, 1, config.n_layer, description="pp", **wide),
+        "micro_batches": w.IntSlider(1, 1, 8, description="micro-batches", **wide),
+        "zero_stage": w.IntSlider(0, 0, 3, description="ZeRO stage", **wide),
+        "precision": w.Dropdown(options=["fp32", "bf16"], value="fp32", description="precision", **wide),
+        "sequence_parallel": w.Checkbox(False, description="sequence parallel", indent=False),
+        "checkpointing": w.Checkbox(False, description="checkpointing", indent=False),
     }
     out = w.Output()
 
@@ -95,4 +103,5 @@ def planner_widget(model: str = "gpt-small", batch: int = 8, seq_len: int | None
     for c in controls.values():
         c.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox(list(controls.values())[:4]), w.HBox(list(controls.values())[4:]), out])
+    sliders, boxes = list(controls.values())[:6], list(controls.values())[6:]
+    return w.HBox([w.VBox([*sliders, w.HBox(boxes)]), out])

@@ -59,8 +59,11 @@ def test_widget_and_figure():
     fig = widgets.planner_figure(p, cap_bytes=64 * 2**20)
     assert {t.get_text() for t in fig.axes[1].get_yticklabels()} == {"tp", "dp"}
     ui = widgets.planner_widget("gpt-mini", batch=8)
-    sliders = {c.description: c for box in ui.children[:2] for c in box.children}
+    controls = ui.children[0].children
+    sliders = {c.description: c for c in controls if hasattr(c, "description")}
     assert set(sliders) >= {"dp", "tp", "pp", "micro-batches", "ZeRO stage", "precision"}
+    # one slider a row, wide enough that every value of dp (1-8) is a mouse-sized step
+    assert all(c.layout.width == "420px" for c in controls[:6])
     sliders["tp"].value = 3   # gpt-mini has 4 heads: the widget prints why (no exception escapes a callback)
     sliders["tp"].value = 2
 

@@ -87,13 +87,18 @@ class Wire:
         self.library = library
         self.hits: list[str] = []
         self._previous: Any = None
+        self._alive: list[types.CodeType] = []
 
-    def _watch(self) -> dict[types.CodeType, str]:
-        watched_codes: dict[types.CodeType, str] = {}
+    def _watch(self) -> dict[int, str]:
+        """id of each watched code object -> the library name to report (ids: hashing a code object on
+        every call would cost; the library's functions, module-level, keep their code objects alive)."""
+        watched_codes: dict[int, str] = {}
+        self._alive = []
         for obj in self.library:
             for fn, name in _functions_of(obj):
                 for code in _codes(fn.__code__):
-                    watched_codes.setdefault(code, name)
+                    watched_codes.setdefault(id(code), name)
+                    self._alive.append(code)
         return watched_codes
 
     def __enter__(self) -> "Wire":
@@ -101,8 +106,8 @@ class Wire:
         hits = self.hits
 
         def profile(frame: types.FrameType, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code in codes:
-                hits.append(codes[frame.f_code])
+            if event == "call" and id(frame.f_code) in codes:
+                hits.append(codes[id(frame.f_code)])
         self._previous = sys.getprofile()
         sys.setprofile(profile)
         return self
@@ -115,7 +120,7 @@ class Wire:
                 "yourself, not to call (or subclass, or return) minifsdp's implementation of it") from None
 
     def __getstate__(self) -> dict:
-        return {"library": self.library, "hits": [], "_previous": None}
+        return {"library": self.library, "hits": [], "_previous": None, "_alive": []}
 
 
 class _Watched:

@@ -1,71 +1,122 @@
-"""Checks of lab 09 (putting it together): mesh coordinates and groups, FSDP x TP and PP x DP built
-from the mesh, model states per device, a planned layout run for real.
+"""Checks of lab 09 (putting it together): the mesh, FSDP x TP and PP x DP built from it, a layout's
+cost by hand, a planned layout run for real.
 
-``mesh_coords`` and ``mesh_groups`` compare the learner's arithmetic with
-``minifsdp.mesh.DeviceMesh`` on several shapes. ``fsdp_tp`` and ``pp_dp`` run
-the learner's 2D layouts on 4 ranks against one process. ``state_bytes`` holds
-the learner's ZeRO arithmetic against ``estimate`` (the ZeRO paper's formula)
-and the planner. ``planned_layout`` takes the
-learner's choice under a memory cap, checks it against every candidate the
-planner can price, trains it (``minifsdp.train``, memory tracked) and holds
-the prediction against the measurement: peak within 10 %, bytes per step
-exact. ``ranking`` checks the learner's which-to-choose table built from the
-lab's own runs. Read ``verdict.py`` first.
+``mesh`` compares the learner's coordinates and groups with
+``minifsdp.mesh.DeviceMesh`` on several shapes. ``two_d`` runs the learner's
+2D layouts on 4 ranks (CPU ranks where GPUs are fewer) against one process.
+``layout_costs`` holds the learner's tensor-parallel bytes against the tracer
+and their ZeRO arithmetic against ``estimate`` (the ZeRO paper's formula) and
+the planner. ``planned_layout`` takes the learner's choice under a memory cap,
+checks it against every candidate the planner can price, trains it
+(``minifsdp.train``, memory tracked) and holds the prediction against the
+measurement: peak within 10 %, bytes per step exact.
+
+Each check refuses the library's own version of the exercise (the mesh's
+arithmetic, the trainer's 2D builders, the planner's byte formulas) by name,
+alias, helper or subclass, and at run time (``authorship.Wire``). Read
+``verdict.py`` first.
 """
 from __future__ import annotations
 
 import tempfile
 from typing import Any, Callable
 
-from .. import estimate, planner
+from .. import estimate, mesh as mesh_module, planner, train as train_module
 from ..estimate import format_bytes
 from ..mesh import DeviceMesh
+from ..pipeline import parallel as pipeline_parallel
 from ..train import TrainConfig, train
-from .verdict import call, failed, figures, passed, require_written, uses
+from .authorship import Wire, watched
+from .verdict import Hints, call, failed, figures, passed, refuse_library, require_written, run
 
 SHAPES = [(2, 1, 2), (2, 2, 2), (1, 4, 1), (3, 2, 2), (4, 1, 1)]
 TPS = (1, 2, 4)
 ZERO = (0, 3)
-_LIBRARY = ("DeviceMesh", "coords", "groups", "ranks_along", "rank_at")
+# the library's version of each exercise: what the checks refuse (statically and at run time)
+_MESH_LIBRARY = (DeviceMesh, *(v for v in vars(mesh_module).values()
+                               if callable(v) and getattr(v, "__module__", "") == mesh_module.__name__))
+_TWO_D_LIBRARY = (train_module._tensor_parallel, train_module._three_d, train_module._pipeline,
+                  pipeline_parallel.PipelineParallel, pipeline_parallel.pipeline_groups)
+_COST_LIBRARY = tuple(v for m in (planner, estimate) for v in vars(m).values()
+                      if callable(v) and getattr(v, "__module__", "") == m.__name__
+                      and v is not estimate.format_bytes)
+
+hint = Hints({
+    "mesh_coords": [
+        "A rank number is a mixed-radix number whose digits are (d, p, t), t the fastest digit.",
+        "The fastest digit is what is left over after dividing by its size; divide it away for the next.",
+        "Check yourself on dp=2, pp=2, tp=2: rank 5 is d=1, p=0, t=1.",
+    ],
+    "mesh_groups": [
+        "Two ranks share a group along dim when every OTHER coordinate is equal.",
+        "Use your mesh_coords: a key made of the other coordinates names the group a rank belongs to.",
+        "Every rank is in exactly one group per dimension; a mesh of N ranks has N / size(dim) of them.",
+    ],
+    "fsdp_tp": [
+        "Tensor parallel must cut the whole model, so it goes first; FSDP then shards what each rank holds.",
+        "Ranks that hold the same slices differ only in dp: FSDP shards over that group, TP uses tp's.",
+        "Lab 08's tensor_parallel takes the mesh; lab 04's FSDP takes a process_group and a wrap policy.",
+    ],
+    "pp_dp_step": [
+        "Two questions per rank: which stage am I (pp coordinate), which slice of the batch (dp)?",
+        "The stage talks to its pipeline over the pp group; the same stage's copies live in the dp group.",
+        "After the schedule's step, each gradient is summed over dp; a sum of dp copies is not an average.",
+    ],
+    "tp_bytes_per_step": [
+        "List tensor parallel's all-reduces: per block, two forward (g) and two backward (f).",
+        "Add the embedding's forward g, the head's backward f, and the vocab-parallel loss's reductions.",
+        "Activations are tokens x hidden fp32 values; the loss reduces a max and two sums per token.",
+        "comm's volume of an all-reduce of S bytes is 2S.",
+    ],
+    "state_bytes": [
+        "Start from one replica: 4 + 4 + 8 bytes per parameter (weight, gradient, two AdamW moments).",
+        "ZeRO-1 divides the optimizer state by dp; each later stage divides one more category.",
+    ],
+    "choose_layout": [
+        "Enumerate the candidates first, then price each one with the planner.",
+        "A candidate's bytes per step are the sum over every dimension and op of its plan's comm.",
+        "Keep the fitting ones; return the cheapest as a dict; say clearly when none fits.",
+    ],
+})
 
 
-def _require_own(what: str, fn: Any, names: tuple[str, ...], fix: str) -> None:
-    """Not the blank lab's stub, not the library's function, and no call to ``names`` in its body."""
-    require_written(what, fn)
-    found = uses(fn, *names)
-    if found:
-        failed(what, f"it calls {found[0]}, the library's: {fix}")
-
-
-def mesh_coords(coords_fn: Callable[[int, int, int, int], dict]) -> None:
+def _mesh_coords(coords_fn: Callable[[int, int, int, int], dict]) -> None:
     """``coords_fn(rank, dp, pp, tp) -> {"dp": d, "pp": p, "tp": t}`` for every rank of several meshes."""
     what = "mesh coordinates"
-    _require_own(what, coords_fn, _LIBRARY, "do the arithmetic of minifsdp.mesh yourself")
     for dp, pp, tp in SHAPES:
         mesh = DeviceMesh(dp, pp, tp, build_groups=False)
         for rank in range(mesh.world_size):
-            got, want = call(what, coords_fn, rank, dp, pp, tp), mesh.coords(rank)
+            got, want = call(what, watched(coords_fn, *_MESH_LIBRARY), rank, dp, pp, tp), mesh.coords(rank)
             if got != want:
                 swapped = {"dp": rank % dp, "pp": rank // dp % pp, "tp": rank // (dp * pp)}
                 hint = (": tp must vary fastest (consecutive ranks split one layer), dp slowest" if got == swapped
                         else "")
                 failed(what, f"mesh dp={dp} pp={pp} tp={tp}, rank {rank}: yours {got}, expected {want}{hint}")
-    passed(what, f"every rank of {len(SHAPES)} meshes, up to {max(d * p * t for d, p, t in SHAPES)} ranks")
 
 
-def mesh_groups(groups_fn: Callable[[str, int, int, int], list]) -> None:
+def _mesh_groups(groups_fn: Callable[[str, int, int, int], list]) -> None:
     """``groups_fn(dim, dp, pp, tp)`` -> every group along ``dim``, each a list of ranks."""
     what = "mesh groups"
-    _require_own(what, groups_fn, _LIBRARY, "do the arithmetic of minifsdp.mesh yourself")
     for dp, pp, tp in SHAPES:
         mesh = DeviceMesh(dp, pp, tp, build_groups=False)
         for dim in ("dp", "pp", "tp"):
-            got = call(what, groups_fn, dim, dp, pp, tp)
+            got = call(what, watched(groups_fn, *_MESH_LIBRARY), dim, dp, pp, tp)
             want = mesh.groups(dim)
             if not isinstance(got, list) or sorted(sorted(g) for g in got) != sorted(want):
                 failed(what, f"mesh dp={dp} pp={pp} tp={tp}, {dim} groups: yours {got}, expected {want} "
                              f"(a {dim} group is the ranks that differ only in their {dim} coordinate)")
-    passed(what, f"dp, pp and tp groups of {len(SHAPES)} meshes")
+
+
+def mesh(coords_fn: Callable[[int, int, int, int], dict], groups_fn: Callable[[str, int, int, int], list]) -> None:
+    """Exercise 1: the learner's ``mesh_coords`` and ``mesh_groups`` on every rank of five meshes."""
+    what = "the mesh"
+    require_written(what, coords_fn, groups_fn)
+    for fn in (coords_fn, groups_fn):
+        refuse_library(what, fn, *_MESH_LIBRARY)
+    _mesh_coords(coords_fn)
+    _mesh_groups(groups_fn)
+    passed(what, f"coordinates and dp / pp / tp groups of every rank of {len(SHAPES)} meshes, up to "
+                 f"{max(d * p * t for d, p, t in SHAPES)} ranks, equal DeviceMesh's")
 
 
 def _strategy(layout: dict[str, int]) -> dict[str, Any]:
@@ -87,7 +138,9 @@ def planned_layout(choose_fn: Callable[..., dict], model: str, batch: int, seq_l
     Candidates: tp in 1, 2, 4 (dp = devices / tp), ZeRO stage 0 or 3 (3 with tp > 1 and dp > 1:
     FSDP x TP). Returns the run's metrics."""
     what = "planned layout"
-    layout = call(what, choose_fn, cap_bytes, devices)
+    require_written(what, choose_fn)
+    refuse_library(what, choose_fn, _moved, _strategy, planned_layout)
+    layout = call(what, watched(choose_fn, _moved, _strategy), model, batch, seq_len, cap_bytes, devices)
     if not isinstance(layout, dict) or not {"dp", "tp", "zero_stage"} <= set(layout):
         failed(what, f"return a dict with dp, tp and zero_stage, got {layout!r}")
     layout = {k: int(layout[k]) for k in ("dp", "tp", "zero_stage")}
@@ -129,19 +182,6 @@ def planned_layout(choose_fn: Callable[..., dict], model: str, batch: int, seq_l
     return metrics
 
 
-def ranking(rank_fn: Callable[[list, float], list], rows: list[dict[str, Any]], cap_bytes: float) -> None:
-    """``rank_fn(rows, cap)``: the names of the runs whose peak fits under ``cap``, fewest bytes per step first."""
-    what = "which to choose"
-    got = call(what, rank_fn, [dict(r) for r in rows], cap_bytes)
-    fits = [r for r in rows if r["peak"] <= cap_bytes]
-    want = [r["name"] for r in sorted(fits, key=lambda r: r["bytes"])]
-    if not isinstance(got, list) or [str(n) for n in got] != want:
-        over = [r["name"] for r in rows if r["peak"] > cap_bytes]
-        failed(what, f"yours {got}, expected {want}: keep the runs whose measured peak is under the cap "
-                     f"(not {over}), then order them by bytes moved per step")
-    passed(what, f"{len(want)} of {len(rows)} runs fit under {format_bytes(cap_bytes)}; cheapest: {want[0] if want else '-'}")
-
-
 def _fsdp_tp_worker(build_fn: Callable, steps: int) -> dict[str, Any]:
     import torch
 
@@ -151,7 +191,8 @@ def _fsdp_tp_worker(build_fn: Callable, steps: int) -> dict[str, Any]:
 
     mesh = DeviceMesh(dp=2, pp=1, tp=2)
     dev = dist.device()
-    model = build_fn(models.build_model("gpt-tiny", seed=0).to(dev), mesh)
+    with Wire(*_TWO_D_LIBRARY):  # the learner's build only: the steps below run the library's FSDP and TP
+        model = build_fn(models.build_model("gpt-tiny", seed=0).to(dev), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     tracer, losses = trace.Tracer(), []
     with tracer:
@@ -168,12 +209,11 @@ def _fsdp_tp_worker(build_fn: Callable, steps: int) -> dict[str, Any]:
             "ops": sorted(tracer.trace.bytes_by_op())}
 
 
-def fsdp_tp(build_fn: Callable[[Any, DeviceMesh], Any], steps: int = 3) -> None:
+def _fsdp_tp(build_fn: Callable[[Any, DeviceMesh], Any], steps: int = 3) -> str:
     """``build_fn(model, mesh)`` on 4 ranks (dp 2 x tp 2): losses of ``steps`` AdamW steps equal one process's."""
     import torch
 
     from .. import data, models
-    from .verdict import run
 
     what = "FSDP x TP"
     outs = run(what, _fsdp_tp_worker, 4, build_fn, steps)
@@ -196,18 +236,17 @@ def fsdp_tp(build_fn: Callable[[Any, DeviceMesh], Any], steps: int = 3) -> None:
     missing = {"all_gather", "reduce_scatter", "all_reduce"} - set(got["ops"])
     if missing:
         failed(what, f"no {', '.join(sorted(missing))} recorded: TP all-reduces, FSDP all-gathers and reduce-scatters")
-    passed(what, f"4 ranks (dp 2 x tp 2), {steps} AdamW steps: losses equal one process's to 1e-5; "
-                 "FSDP's all-gather / reduce-scatter and TP's all-reduce both ran")
+    return (f"FSDP x TP: 4 ranks (dp 2 x tp 2), {steps} AdamW steps, losses equal one process's to 1e-5, "
+            "FSDP's all-gather / reduce-scatter and TP's all-reduce both ran")
 
 
-def tp_bytes(bytes_fn: Callable[[int, int, int], int], measured: int, n_layer: int, hidden: int,
-             tokens: int) -> None:
+def _tp_bytes(bytes_fn: Callable[[int, int, int], int], measured: int, n_layer: int, hidden: int,
+              tokens: int) -> str:
     """``bytes_fn(n_layer, hidden, tokens)``: the bytes the tp run's all-reduces moved per step, to the byte."""
     what = "TP bytes per step"
-    got = call(what, bytes_fn, n_layer, hidden, tokens)
+    got = call(what, watched(bytes_fn, *_COST_LIBRARY), n_layer, hidden, tokens)
     if got == measured:
-        passed(what, figures("bytes", int(got), int(measured), unit="B") + " (measured by the tracer)")
-        return
+        return figures("TP bytes per step", int(got), int(measured), unit="B") + " (target: the tracer's)"
     blocks, ends, loss = 4 * n_layer * tokens * hidden * 4, 2 * tokens * hidden * 4, 3 * tokens * 4
     if got * 2 == measured or got == (blocks + ends + loss):
         failed(what, figures("bytes", got, int(measured), unit="B") + ": an all-reduce of S bytes moves 2S "
@@ -220,7 +259,6 @@ def tp_bytes(bytes_fn: Callable[[int, int, int], int], measured: int, n_layer: i
 
 
 # ------------------------------------------------------------------ PP x DP from the mesh
-_PP_DP_LIBRARY = ("PipelineParallel", "pipeline_groups", "_all_reduce_grads", "train_step")
 _PP_DP_M, _PP_DP_BATCH, _PP_DP_SEQ = 2, 8, 32
 
 
@@ -229,24 +267,21 @@ def _pp_dp_worker(step_fn: Callable) -> dict[str, Any]:
 
     mesh = DeviceMesh(dp=2, pp=2, tp=1)
     x, y = (t.to(dist.device()) for t in data.get_batch(0, _PP_DP_BATCH, _PP_DP_SEQ))
-    with trace.Tracer() as tracer:
+    with trace.Tracer() as tracer, Wire(*_TWO_D_LIBRARY):
         part, losses = step_fn(models.build_model("gpt-tiny", seed=0).to(dist.device()), mesh, x, y, _PP_DP_M)
     return {"coords": mesh.coords(), "losses": [float(v) for v in losses or []],
             "grads": {n: None if q.grad is None else q.grad.cpu() for n, q in part.named_parameters()},
             "params": sum(q.numel() for q in part.parameters()), "bytes": tracer.trace.bytes_by_op()}
 
 
-def pp_dp(step_fn: Callable) -> None:
+def _pp_dp(step_fn: Callable) -> str:
     """``step_fn(model, mesh, x, y, m)`` on 4 ranks (dp 2 x pp 2): one-process gradients on every rank, each
     replica's losses those of its own slice, every gradient all-reduced once over dp."""
     import torch
 
     from .. import data, models
-    from .verdict import run
 
     what = "PP x DP"
-    _require_own(what, step_fn, _PP_DP_LIBRARY, "build the stage, the schedule and the gradient average "
-                                                "yourself from the mesh's groups")
     outs = run(what, _pp_dp_worker, 4, step_fn, timeout=120)
     ref = models.build_model("gpt-tiny", seed=0)
     x, y = data.get_batch(0, _PP_DP_BATCH, _PP_DP_SEQ)
@@ -298,9 +333,17 @@ def pp_dp(step_fn: Callable) -> None:
         failed(what, figures("rank 0's all-reduce bytes", moved, target, unit="B")
                + f" (2 x 4 bytes x its stage's {first['params']:,} parameters): all-reduce every gradient of the "
                  "stage exactly once, over the dp group, with comm.all_reduce")
-    passed(what, f"4 ranks (dp 2 x pp 2), m={_PP_DP_M}: gradients equal one process's on every rank (largest "
-                 f"relative difference {worst:.1e}); rank 0 sent {first['bytes'].get('send', 0):,} B over pp; "
-           + figures("all-reduce over dp", moved, f"2 x 4 x {first['params']:,} = {target:,}", unit="B"))
+    return (f"PP x DP: m={_PP_DP_M}, gradients equal one process's on every rank (largest relative difference "
+            f"{worst:.1e}), " + figures("rank 0's all-reduce over dp", moved, target, unit="B"))
+
+
+def two_d(fsdp_tp_fn: Callable[[Any, DeviceMesh], Any], pp_dp_fn: Callable) -> None:
+    """Exercise 2: the learner's FSDP x TP and PP x DP, each on 4 ranks against one process."""
+    what = "two 2D layouts"
+    require_written(what, fsdp_tp_fn, pp_dp_fn)
+    for fn in (fsdp_tp_fn, pp_dp_fn):
+        refuse_library(what, fn, *_TWO_D_LIBRARY)
+    passed(what, f"{_fsdp_tp(fsdp_tp_fn)}; {_pp_dp(pp_dp_fn)}")
 
 
 # ------------------------------------------------------------------ model states per device
@@ -313,12 +356,12 @@ _STATE_HINTS = {
 }
 
 
-def state_bytes(fn: Callable[[int, int, int], dict], model: str, batch: int, seq_len: int, devices: int) -> None:
+def _state_bytes(fn: Callable[[int, int, int], dict], model: str, batch: int, seq_len: int, devices: int) -> str:
     """``fn(n, dp, zero_stage)`` -> bytes of parameters, gradients and optimizer state one device keeps
     (fp32 AdamW): equal to ``estimate``'s unpadded ZeRO formula; on ``model``'s layouts, to the planner's
     states within FSDP's padding."""
     what = "model states per device"
-    _require_own(what, fn, ("model_state_bytes_per_device", "plan"), "write the ZeRO sum yourself")
+    fn = watched(fn, *_COST_LIBRARY)
     for n, dp, zero in _STATE_GRID:
         got = call(what, fn, n, dp, zero)
         if not isinstance(got, dict) or set(got) != set(_STATE_HINTS):
@@ -337,5 +380,18 @@ def state_bytes(fn: Callable[[int, int, int], dict], model: str, batch: int, seq
             failed(what, f"{model} dp={dp} tp={tp} ZeRO-{zero}: " + figures("states", format_bytes(mine),
                                                                           format_bytes(lib)) + " (the planner)")
         rows.append(figures(f"dp{dp} tp{tp} ZeRO-{zero}", format_bytes(mine), format_bytes(lib)))
-    passed(what, f"{len(_STATE_GRID)} (n, dp, stage) exact; {model} states per device against the planner's, "
-                 + "; ".join(rows))
+    return (f"model states: {len(_STATE_GRID)} (n, dp, stage) exact; {model} per device against the planner's, "
+            + "; ".join(rows))
+
+
+def layout_costs(bytes_fn: Callable[[int, int, int], int], states_fn: Callable[[int, int, int], dict],
+                 measured_tp_bytes: int, model: str, batch: int, seq_len: int, devices: int,
+                 tp_shape: tuple[int, int, int] = (2, 32, 8 * 32)) -> None:
+    """Exercise 3: TP's bytes per step against the tracer's (gpt-tiny's ``tp_shape`` = n_layer, hidden,
+    tokens), and model states per device against the ZeRO paper and the planner."""
+    what = "a layout's cost by hand"
+    require_written(what, bytes_fn, states_fn)
+    for fn in (bytes_fn, states_fn):
+        refuse_library(what, fn, *_COST_LIBRARY)
+    passed(what, f"{_tp_bytes(bytes_fn, measured_tp_bytes, *tp_shape)}; "
+                 f"{_state_bytes(states_fn, model, batch, seq_len, devices)}")
