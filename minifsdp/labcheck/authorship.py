@@ -38,6 +38,8 @@ import sys
 import types
 from typing import Any, Callable, Iterable
 
+import torch
+
 __all__ = ["LibraryShortcut", "Wire", "library_reached", "watched"]
 
 
@@ -104,6 +106,10 @@ class Wire:
     def __enter__(self) -> "Wire":
         codes = self._watch()
         hits = self.hits
+        # A profiler sees one thread. On CUDA, autograd runs backward on a thread per device: keep backward
+        # on this thread while the wire is up, so a library Function's backward cannot slip past it.
+        self._one_thread = torch.autograd.set_multithreading_enabled(False)
+        self._one_thread.__enter__()
 
         def profile(frame: types.FrameType, event: str, arg: Any) -> None:
             if event == "call" and id(frame.f_code) in codes:
@@ -114,13 +120,14 @@ class Wire:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         sys.setprofile(self._previous)
+        self._one_thread.__exit__(exc_type, exc, tb)
         if self.hits and not isinstance(exc, LibraryShortcut):
             raise LibraryShortcut(
                 f"your code ran the library's {self.hits[0]}: the exercise is to build this mechanism "
                 "yourself, not to call (or subclass, or return) minifsdp's implementation of it") from None
 
     def __getstate__(self) -> dict:
-        return {"library": self.library, "hits": [], "_previous": None, "_alive": []}
+        return {"library": self.library, "hits": [], "_previous": None, "_alive": [], "_one_thread": None}
 
 
 class _Watched:

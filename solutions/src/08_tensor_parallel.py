@@ -4,30 +4,30 @@
 # %% [markdown]
 # # 08 - Tensor parallel: splitting every layer across ranks (Megatron-LM)
 #
-# Data parallelism (labs 02-04) gives every rank the whole model and a slice of the
-# batch; even FSDP gathers each layer whole before it runs. **Tensor parallelism**
-# (Shoeybi et al. 2019, Megatron-LM) splits the layers themselves: each rank holds a
-# slice of every weight matrix and computes a slice of every layer's output. Two
-# operators, **f** and **g**, glue the slices together with one all-reduce each.
+# Data parallelism (labs 02-04) gives every rank the whole model; FSDP gathers each layer
+# whole before it runs. **Tensor parallelism** (Shoeybi et al. 2019, Megatron-LM)
+# splits the layers themselves: each rank holds a slice of every weight matrix and
+# computes a slice of every layer's output.
 #
-# **You will be able to**: split a matrix product by columns and by rows; write f and g
-# as autograd functions; build Megatron's parallel MLP and check it against the full
-# one, with its communication counted by the tracer against the target (one all-reduce
-# of B·T·d forward, one backward); give each rank whole attention heads; compute the
-# cross-entropy over a vocabulary split across ranks without ever building the full
-# logits; and measure what sequence parallelism saves.
+# **You will be able to**: split a matrix product by columns and by rows; write the two
+# operators, f and g, that glue the slices together; build Megatron's parallel MLP and
+# attention, equal to the full layers; compute the cross-entropy over a split vocabulary;
+# and measure what sequence parallelism saves.
 #
-# **Prerequisites**: lab 00 (collectives, `launch`), lab 01 (the memory tracker, what
-# autograd saves). **Time**: about 60 minutes of work; the cells compute for about a
-# minute on a laptop (2 ranks), the same on a GPU VM.
-#
-# **Exercises**: 1. f and g · 2. the parallel MLP · 3. attention: q, k, v slices for whole
-# heads, then its forward · 4. vocab-parallel cross-entropy · 5. sequence parallel's two
-# operators.
+# **Prerequisites**: lab 00 (collectives, `launch`), lab 01 (the memory tracker), lab 06
+# (autograd Functions, what autograd saves). **Time**: about 60 minutes of work; the cells
+# compute for under a minute on a laptop (2 CPU ranks) and on a GPU VM.
+
+# %% [markdown]
+# **Exercises**: 1. f and g · 2. the parallel MLP and attention · 3. vocab-parallel
+# cross-entropy · 4. sequence parallel's two operators.
 #
 # **Symbols**: B = batch (sequences), T = sequence length, d = model width, V =
-# vocabulary, L = blocks, tp = ranks in the tensor-parallel group, r = this rank's
-# index in it. Sizes in fp32 values: B·T·d values = 4·B·T·d bytes.
+# vocabulary, tp = ranks in the tensor-parallel group, r = this rank's index in it. Sizes
+# are in fp32 values: B·T·d values = 4·B·T·d bytes.
+#
+# Every exercise is checked on 2 ranks. On a VM with fewer GPUs, `launch` runs the ranks
+# on the CPU (gloo) and says so in one line; nothing else changes.
 
 # %%
 import math
@@ -71,34 +71,35 @@ print(f"MLP, A by columns then B by rows, one sum: max error {(mlp_slices - F.ge
 # %% [markdown]
 # ## 2. Exercise 1: f and g
 #
-# On `tp` ranks the MLP becomes `X --f--> [ GeLU(X A_r) B_r ] --g--> Z`:
+# On `tp` ranks the MLP becomes `X --f--> [ GeLU(X A_r) B_r ] --g--> Z`. Inside the
+# brackets each rank works alone; **f** (entering) and **g** (leaving) are the only
+# places where ranks talk.
 #
-# * **g** sits after the row-parallel product: forward, the **all-reduce** that sums the
-#   partial outputs; backward, nothing to do, since dL/dZ is the same on every rank.
-# * **f** sits before the column-parallel product: forward, nothing to do, every rank
-#   already holds X; backward, every rank's slice contributed to dL/dX, so the
-#   gradients are **all-reduced**.
+# **Goal**: with f and g in place, every rank computes what one process computes: after
+# g each rank holds the full Z, and after backward each rank holds the full dL/dX. For
+# each operator, forward and backward, ask: is the tensor already the same on every
+# rank, or is each rank's only a part of a sum? Where a sum is missing, add it with
+# `comm.all_reduce(t, group=get_model_parallel_group())` (it sums `t` in place).
 #
-# Each is the other's mirror image ("conjugate"). Write them as `torch.autograd.Function`s
-# (as in lab 06). Use `comm.all_reduce(t, group=get_model_parallel_group())`: it sums in
-# place, and autograd may still need the tensor you were given, so reduce a copy.
-# `tpl.initialize_model_parallel(TP)` builds the group; the check calls it for you.
+# Write both as `torch.autograd.Function`s (lab 06). **Target**: outputs and gradients
+# equal one process's on 2 ranks, one all-reduce per operator (the check builds the
+# group). `check.hint("f_and_g")` prints the next hint, idea first; every exercise has them.
 
 # %%
 class CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
+    """f: enters the tensor-parallel region, before a column-parallel layer. x: (..., d), the same on every rank."""
 
     @staticmethod
     def forward(ctx, x):
         # BEGIN SOLUTION
-        # HINT: every rank already holds the whole input
+        # HINT: f forward: what must the layer see? check.hint('f_and_g')
         return x
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
         # BEGIN SOLUTION
-        # HINT: the input fed every rank's slice: its gradient is the sum of their contributions
+        # HINT: f backward: one process's dL/dx; check.hint('f_and_g')
         grad = grad.clone()
         comm.all_reduce(grad, group=get_model_parallel_group())
         return grad
@@ -106,12 +107,12 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: leaves the tensor-parallel region, after a row-parallel product. x: (..., d), this rank's partial result."""
 
     @staticmethod
     def forward(ctx, x):
         # BEGIN SOLUTION
-        # HINT: each rank holds a partial result of full shape; the answer is their sum
+        # HINT: g forward: the full output on every rank; check.hint('f_and_g')
         out = x.clone()
         comm.all_reduce(out, group=get_model_parallel_group())
         return out
@@ -120,32 +121,48 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # BEGIN SOLUTION
-        # HINT: the output's gradient is already identical on every rank
+        # HINT: g backward: one process's dL/dx; check.hint('f_and_g')
         return grad
         # END SOLUTION
 
 # %%
-# CHECK: outputs and gradients on 2 ranks, and one all-reduce each: f's in backward, g's in forward
+# CHECK: on 2 ranks, outputs and gradients equal one process's; target: one all-reduce per operator
 check.f_and_g(CopyToTP, ReduceFromTP)
 
 # %% [markdown]
-# ## 3. Exercise 2: the parallel MLP
+# ## 3. Exercise 2: the parallel MLP and attention
 #
 # `models.FeedForward` is `c_proj(GeLU(c_fc(x)))` with `c_fc: d -> 4d` and
-# `c_proj: 4d -> d`. An `nn.Linear` stores its weight as (out, in), so:
+# `c_proj: 4d -> d`. On `tp` ranks, rank r owns the r-th of tp equal blocks of the 4d
+# hidden units: `c_fc` is column-parallel (its output features are split), `c_proj`
+# row-parallel (its input features are split), and each rank holds only its hidden
+# units' weights. An `nn.Linear` stores its weight as (out, in).
 #
-# * rank r keeps **rows** `[r·4d/tp, (r+1)·4d/tp)` of `c_fc.weight` (and of its bias): its
-#   hidden units (column-parallel: the output features are split);
-# * and the same range of **columns** of `c_proj.weight` (row-parallel: the input
-#   features are split). `c_proj`'s bias is added once, after the sum, so it stays whole.
+# **Attention** splits the same way: `c_attn` (the q/k/v projection) column-parallel,
+# `c_proj` row-parallel, and between them each rank runs **whole heads**: rank r owns the
+# r-th of tp blocks of heads, which need nothing from the other heads. One catch:
+# `c_attn.weight`, (3d, d), stacks the three projections `[q; k; v]`, and a rank needs
+# its heads' rows of each.
+
+# %% [markdown]
+# The scaffolding builds the smaller layers. Write:
 #
-# The scaffolding builds the smaller layers; copy this rank's slices into them, then
-# write the forward with your f and g. Target: one all-reduce of B·T·d values forward,
-# one backward, and nothing else.
+# * `ParallelMLP`: copy this rank's slices of `full`'s weights, and the forward;
+# * `shard_qkv(t, r, tp)`: the rows of `c_attn`'s weight (3d, d) or bias (3d,) that
+#   rank r keeps, shape (3d/tp, ...), its heads' q rows, then k, then v;
+# * `ParallelAttention`: load its slices (with `shard_qkv`), and the forward, which is
+#   `models.CausalSelfAttention.forward` on this rank's `n_head / tp` heads.
+#
+# Each forward takes the full (B, T, d) input and returns the full (B, T, d) output on
+# every rank, using your f and g. **Target**: output, input gradient and weight
+# gradients equal the full layer's (the weights' as this rank's slices); each rank holds
+# 1/tp of the weights plus `c_proj`'s bias; one all-reduce of B·T·d values forward and
+# one backward per layer. Hints: `check.hint("ParallelMLP")`, `"shard_qkv"`,
+# `"ParallelAttention"`.
 
 # %%
 class ParallelMLP(torch.nn.Module):
-    """Megatron's MLP on this rank of the tensor-parallel group."""
+    """Megatron's MLP on this rank of the tensor-parallel group: forward(x) == full(x), x of shape (B, T, d)."""
 
     def __init__(self, full: models.FeedForward):
         super().__init__()
@@ -153,10 +170,10 @@ class ParallelMLP(torch.nn.Module):
         d, hidden = full.c_fc.in_features, full.c_fc.out_features
         device = full.c_fc.weight.device
         self.c_fc = torch.nn.Linear(d, hidden // tp, device=device)      # this rank's hidden units
-        self.c_proj = torch.nn.Linear(hidden // tp, d, device=device)    # ... and their columns of the projection
+        self.c_proj = torch.nn.Linear(hidden // tp, d, device=device)    # ... and their part of the projection
         with torch.no_grad():
             # BEGIN SOLUTION
-            # HINT: one range of hidden units: rows of c_fc (weight and bias), columns of c_proj, c_proj's bias whole
+            # HINT: this rank's slices of full; check.hint('ParallelMLP')
             part = slice(r * hidden // tp, (r + 1) * hidden // tp)
             self.c_fc.weight.copy_(full.c_fc.weight[part])
             self.c_fc.bias.copy_(full.c_fc.bias[part])
@@ -166,69 +183,46 @@ class ParallelMLP(torch.nn.Module):
 
     def forward(self, x):
         # BEGIN SOLUTION
-        # HINT: f before the column-parallel layer; g after the row-parallel product; the bias after g
+        # HINT: full(x) on every rank, via f and g; check.hint('ParallelMLP')
         h = F.gelu(self.c_fc(CopyToTP.apply(x)))
         return ReduceFromTP.apply(F.linear(h, self.c_proj.weight)) + self.c_proj.bias
         # END SOLUTION
 
-# %%
-# CHECK: equals the full MLP (output, input and weight gradients) on 2 ranks; all-reduces counted by the tracer
-check.parallel_mlp(ParallelMLP)
 
-# %% [markdown]
-# ## 4. Exercise 3: attention, whole heads per rank
-#
-# Attention splits the same way: the q/k/v projection `c_attn` column-parallel, the
-# output projection `c_proj` row-parallel, and between them each rank runs **its own
-# heads**, which need nothing from the other heads. One catch: `c_attn.weight` (3d, d)
-# stacks the three projections, `[q; k; v]`. A contiguous third of the rows would give
-# rank 0 all of q and none of v. Each rank must keep its slice **of each**: rows
-# `[r·d/tp, (r+1)·d/tp)` of q, the same of k, the same of v. (FairScale calls this
-# `stride=3`.)
-
-# %%
-def shard_qkv(weight, r, tp):
-    """The rows of c_attn's stacked [q; k; v] weight, shape (3d, d), that rank r keeps."""
+def shard_qkv(t, r, tp):
+    """The rows of c_attn's stacked [q; k; v] weight (3d, d) or bias (3d,) that rank r keeps: (3d/tp, ...)."""
     # BEGIN SOLUTION
-    # HINT: cut the stack into its three parts first, then take slice r of each, in order
-    q, k, v = weight.chunk(3)
+    # HINT: rank r's heads' rows of q, of k, of v; check.hint('shard_qkv')
+    q, k, v = t.chunk(3)
     return torch.cat([q.chunk(tp)[r], k.chunk(tp)[r], v.chunk(tp)[r]])
     # END SOLUTION
 
-# %%
-# CHECK: for tp = 2 and 4, every rank keeps its heads' rows of q, k and v
-check.qkv_shard(shard_qkv)
 
-# %% [markdown]
-# Now the attention itself. The scaffolding loads this rank's slices (your `shard_qkv`
-# for `c_attn`, the matching columns of `c_proj`); write the forward. It is
-# `models.CausalSelfAttention.forward` with `n_head / tp` heads, between f and g, and
-# `c_proj`'s bias added once, after g.
-
-# %%
 class ParallelAttention(torch.nn.Module):
-    """Causal self-attention with this rank's n_head / tp heads."""
+    """Causal self-attention with this rank's n_head / tp heads: forward(x) == full(x), x of shape (B, T, d)."""
 
     def __init__(self, full: models.CausalSelfAttention):
         super().__init__()
         r, tp = get_model_parallel_rank(), get_model_parallel_world_size()
         d = full.n_embd
         self.n_head, self.head_dim = full.n_head // tp, d // full.n_head
-        self.c_attn = torch.nn.Linear(d, 3 * d // tp, device=full.c_attn.weight.device)
+        self.c_attn = torch.nn.Linear(d, 3 * d // tp, device=full.c_attn.weight.device)  # this rank's q, k, v
         self.c_proj = torch.nn.Linear(d // tp, d, device=full.c_attn.weight.device)
+        self.register_buffer("future_mask", full.future_mask.clone(), persistent=False)
         with torch.no_grad():
+            # BEGIN SOLUTION
+            # HINT: as in ParallelMLP; check.hint('ParallelAttention')
             self.c_attn.weight.copy_(shard_qkv(full.c_attn.weight, r, tp))
             self.c_attn.bias.copy_(shard_qkv(full.c_attn.bias, r, tp))
             self.c_proj.weight.copy_(full.c_proj.weight.chunk(tp, dim=1)[r])
             self.c_proj.bias.copy_(full.c_proj.bias)
-        self.register_buffer("future_mask", full.future_mask.clone(), persistent=False)
+            # END SOLUTION
 
     def forward(self, x):
         B, T, _ = x.shape
         h, hd = self.n_head, self.head_dim
         # BEGIN SOLUTION
-        # HINT: f, then c_attn gives [q | k | v] of h*hd features each; each head attends as in models.CausalSelfAttention
-        # HINT: this rank's heads side by side make c_proj's input slice; g sums the ranks' partial outputs
+        # HINT: full(x) from this rank's heads; check.hint('ParallelAttention')
         qkv = self.c_attn(CopyToTP.apply(x))
         q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=2))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
@@ -238,8 +232,8 @@ class ParallelAttention(torch.nn.Module):
         # END SOLUTION
 
 # %%
-# CHECK: equals the full attention (output, input and weight gradients) on 2 ranks; all-reduces counted
-check.parallel_attention(ParallelAttention)
+# CHECK: q/k/v rows for tp = 2 and 4; both layers equal the full ones on 2 ranks, all-reduces counted
+check.parallel_layers(ParallelMLP, shard_qkv, ParallelAttention)
 
 # %% [markdown]
 # The library's `ParallelBlock` puts attention and MLP together (`ColumnParallelLinear(...,
@@ -271,31 +265,32 @@ print(f"{heads} of {models.MODEL_PRESETS['gpt-tiny'].n_head} heads per rank; blo
 print(f"one block's collectives: {calls}  (target: 4 all-reduces of B*T*d = {bsd} values, 2 forward + 2 backward)")
 
 # %% [markdown]
-# ## 5. Exercise 4: cross-entropy over a split vocabulary
+# ## 4. Exercise 3: cross-entropy over a split vocabulary
 #
-# The head is column-parallel too: rank r computes logits for vocabulary ids
+# The head is column-parallel too: rank r computes the logits of vocabulary ids
 # `[r·V/tp, (r+1)·V/tp)`. Gathering them would move B·T·V values per step, the largest
-# tensor of a language model (GPT-2: V = 50,257). The loss needs only three numbers per
-# token, each a reduction over the vocabulary, which splits into a per-rank part and a
-# reduction across ranks:
+# tensor of a language model (GPT-2: V = 50,257). Yet per token the loss is
 #
-# `loss = log Σ_v exp(z_v − m) − (z_target − m)` with `m = max_v z_v` (subtracted so
-# `exp` cannot overflow).
+# `loss = log Σ_v exp(z_v − m) − (z_target − m)`, with `m = max_v z_v` (so `exp`
+# cannot overflow):
 #
-# Write it forward only (the library's version adds the backward: softmax minus one-hot,
-# which each rank computes for its own slice with no communication). Use
-# `comm.all_reduce(t, op=comm.ReduceOp.MAX, group=...)` for a max across ranks. Return
-# one loss per token, and leave `logits_local` unchanged.
+# a few numbers per token, each a reduction over the whole vocabulary.
+#
+# **Goal**: `vocab_parallel_loss(logits_local, target)` returns the per-token loss, shape
+# `target.shape`, equal to `F.cross_entropy` of the full logits on every rank, and leaves
+# `logits_local` unchanged. Forward only (the library adds the backward). A max across
+# ranks is `comm.all_reduce(t, op=comm.ReduceOp.MAX, group=...)`. **Target**: bytes
+# moved independent of V, far below gathering the logits (the check prints both).
+# `check.hint("vocab_parallel_loss")` for hints.
 
 # %%
 def vocab_parallel_loss(logits_local, target):
-    """Per-token cross-entropy from this rank's slice of the logits (..., V/tp) and global target ids."""
+    """Per-token cross-entropy from this rank's slice of the logits (..., V/tp) and global target ids (...)."""
     group, r = get_model_parallel_group(), get_model_parallel_rank()
     v_local = logits_local.shape[-1]
     start = r * v_local                       # this rank holds ids [start, start + v_local)
     # BEGIN SOLUTION
-    # HINT: three reductions over the vocabulary (a max, a sum of exponentials, the target's logit), so over ranks
-    # HINT: only the rank whose slice holds the target id knows its logit; the others contribute 0
+    # HINT: reductions over the vocabulary; check.hint('vocab_parallel_loss')
     m = logits_local.max(dim=-1).values
     comm.all_reduce(m, op=comm.ReduceOp.MAX, group=group)
     shifted = logits_local - m.unsqueeze(-1)
@@ -322,37 +317,39 @@ for name, V in (("gpt-tiny", 256), ("GPT-2", 50257), ("Llama 3", 128256)):
           f"{format_bytes(comm.collective_bytes('all_reduce', 3 * 4 * tokens, TP)['bytes']):>9}")
 
 # %% [markdown]
-# ## 6. Sequence parallel: the rest of the block, split along the sequence
+# ## 5. Sequence parallel: the rest of the block, split along the sequence
 #
 # Tensor parallel leaves the layer norms, the residual stream and dropout **replicated**:
 # every rank computes and stores them whole. Sequence parallelism (Korthikanti et al.
-# 2022) gives each rank T/tp positions of those regions instead. Since
-# `all_reduce = reduce_scatter + all_gather`, each g becomes a reduce-scatter (sum, and
-# keep my positions) and each f an all-gather (collect every position before the
-# matmul): **the same bytes**, and the activations outside attention and the MLP shrink
-# by tp. The layer norms' weights now see only some positions, so their gradients are
-# summed over the group (a small all-reduce each).
+# 2022) gives each rank T/tp positions of those regions instead. It costs no extra
+# bytes, because `all_reduce = reduce_scatter + all_gather`: the operators at the
+# borders of the attention and MLP change, not the traffic. The activations outside
+# attention and the MLP shrink by tp. The layer norms' weights now see only some
+# positions, so their gradients are summed over the group (a small all-reduce each).
+
+# %% [markdown]
+# ### Exercise 4: SP's two operators
 #
-# ### Exercise 5: SP's two operators
+# * `GatherSequence` replaces f before a column-parallel layer: it takes this rank's
+#   positions, (B, T/tp, d), and gives every position, (B, T, d), in rank order.
+# * `ReduceScatterSequence` replaces g after a row-parallel layer: it takes this rank's
+#   partial sums, (B, T, d), and gives the summed output at this rank's positions,
+#   (B, T/tp, d).
 #
-# `comm.all_gather(t, group=...)` concatenates every rank's `t` along **dim 0** and
-# `comm.reduce_scatter(t, group=...)` sums and keeps this rank's chunk of **dim 0**; the
-# sequence is dim 1 of a (B, T, d) activation, so move it to the front and back. Write:
-#
-# * `GatherSequence` (replaces f before a column-parallel layer): forward, all-gather the
-#   positions of every rank; backward, each rank's full-sequence gradient is a partial sum
-#   (it covers only its columns), so reduce-scatter it.
-# * `ReduceScatterSequence` (replaces g after a row-parallel layer): forward,
-#   reduce-scatter (sum, keep my positions); backward, all-gather.
+# Backward gives each input the gradient one process would compute for it. `comm.all_gather(t,
+# group=...)` concatenates every rank's `t` along **dim 0**; `comm.reduce_scatter(t,
+# group=...)` sums and keeps this rank's chunk of **dim 0**. **Target**: values and
+# gradients right on 2 ranks, and the bytes equal to the two all-reduces of f and g.
+# `check.hint("sequence_parallel")` for hints.
 
 # %%
 class GatherSequence(torch.autograd.Function):
-    """(B, T/tp, d) -> (B, T, d): all-gather the sequence forward, reduce-scatter it backward."""
+    """(B, T/tp, d) this rank's positions -> (B, T, d) every rank's positions, in rank order."""
 
     @staticmethod
     def forward(ctx, x):
         # BEGIN SOLUTION
-        # HINT: the sequence must be the first dim for comm's collectives, and go back to dim 1 after
+        # HINT: every position, from every rank; check.hint('sequence_parallel')
         gathered = comm.all_gather(x.transpose(0, 1).contiguous(), group=get_model_parallel_group())
         return gathered.transpose(0, 1).contiguous()
         # END SOLUTION
@@ -360,19 +357,19 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # BEGIN SOLUTION
-        # HINT: sum over ranks, keep my positions
+        # HINT: one process's dL/d(my positions); check.hint('sequence_parallel')
         summed = comm.reduce_scatter(grad.transpose(0, 1).contiguous(), group=get_model_parallel_group())
         return summed.transpose(0, 1).contiguous()
         # END SOLUTION
 
 
 class ReduceScatterSequence(torch.autograd.Function):
-    """(B, T, d) partial sums -> (B, T/tp, d): reduce-scatter the sequence forward, all-gather it backward."""
+    """(B, T, d) this rank's partial sums -> (B, T/tp, d) the summed output at this rank's positions."""
 
     @staticmethod
     def forward(ctx, x):
         # BEGIN SOLUTION
-        # HINT: the mirror image of GatherSequence
+        # HINT: the sum over ranks, my positions; check.hint('sequence_parallel')
         summed = comm.reduce_scatter(x.transpose(0, 1).contiguous(), group=get_model_parallel_group())
         return summed.transpose(0, 1).contiguous()
         # END SOLUTION
@@ -380,18 +377,19 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # BEGIN SOLUTION
-        # HINT: every position's gradient, from every rank
+        # HINT: one process's dL/dx; check.hint('sequence_parallel')
         gathered = comm.all_gather(grad.transpose(0, 1).contiguous(), group=get_model_parallel_group())
         return gathered.transpose(0, 1).contiguous()
         # END SOLUTION
 
 # %%
-# CHECK: outputs and gradients on 2 ranks; the bytes equal the two all-reduces they replace
+# CHECK: outputs and gradients on 2 ranks; target: the bytes of the two all-reduces they replace
 check.sequence_parallel_ops(GatherSequence, ReduceScatterSequence)
 
 # %% [markdown]
 # Measure it: the activations a whole `gpt-mini` keeps after its forward, in one process,
-# with TP and with TP + SP, beside the planner's prediction (`minifsdp.planner`, lab 09).
+# with TP and with TP + SP, beside the planner's prediction (`minifsdp.planner`, which
+# lab 09 builds on).
 
 # %%
 B_SP, T_SP = 4, 64
@@ -430,11 +428,13 @@ print(f"sequence parallel saves {saving:.1%} of TP's activations here (predicted
       f"{1 - predicted[f'TP={TP} + SP'] / predicted[f'TP={TP}']:.1%})")
 
 # %%
+# FIGURE: activations one rank keeps after the forward, measured beside the planner's prediction
 fig, ax = plot.column_figure(height=3)
 names = list(measured)
 ax.bar([i - 0.2 for i in range(3)], [measured[n] / 2**20 for n in names], width=0.4, label="measured")
 ax.bar([i + 0.2 for i in range(3)], [predicted[n] / 2**20 for n in names], width=0.4, label="predicted (planner)")
 ax.set_xticks(range(3), names)
+ax.set_xlabel("layout (ranks in the tensor-parallel group)")
 ax.set_ylabel("activations after forward (MiB)")
 ax.set_title(f"gpt-mini, B={B_SP}, T={T_SP}: activations one rank keeps for backward")
 ax.legend()
@@ -456,7 +456,8 @@ fig
 # * The loss needs only per-token reductions: the full logits never exist.
 # * Sequence parallel turns each all-reduce into reduce-scatter + all-gather, the same
 #   bytes, and shards what TP replicated.
-#
+
+# %% [markdown]
 # The library: `minifsdp.tensor_parallel` (FairScale's names: `initialize_model_parallel`,
 # `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`,
 # `vocab_parallel_cross_entropy`), and `python -m minifsdp.train --strategy tp --tp 2`
