@@ -119,3 +119,16 @@ def test_hints_step_by_step_and_wrapped(capsys):
     out = capsys.readouterr().out
     assert out.count("hint 1 of 2 for ring") == 2 and "hint 2 of 2" in out and "no more hints" in out
     assert "no hints for 'other'" in out and all(len(line) <= 100 for line in out.splitlines())
+
+
+def test_wire_sees_a_thread_the_learner_starts():
+    def in_a_thread(params, cap):
+        import threading
+        out = []
+        t = threading.Thread(target=lambda: out.append(CELL["hidden"](params, cap)))
+        t.start()
+        t.join()
+        return out[0]
+    with pytest.raises(LibraryShortcut, match="bucket_assignment"):
+        with Wire(bucket_assignment):
+            in_a_thread(PARAMS, 1.0)

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import dis
 import sys
+import threading
 import types
 from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["LibraryShortcut", "Wire", "library_reached", "watched"]
+__all__ = ["LibraryShortcut", "Wire", "library_reached", "watched", "code_objects", "learner_owned"]
 
 
 class LibraryShortcut(RuntimeError):
@@ -68,12 +69,12 @@ def _functions_of(obj: Any) -> Iterable[tuple[types.FunctionType, str]]:
                         break
 
 
-def _codes(code: types.CodeType) -> list[types.CodeType]:
+def code_objects(code: types.CodeType) -> list[types.CodeType]:
     """A code object and every code object nested in it (inner functions, lambdas, comprehensions)."""
     out = [code]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            out += _codes(const)
+            out += code_objects(const)
     return out
 
 
@@ -98,7 +99,7 @@ class Wire:
         self._alive = []
         for obj in self.library:
             for fn, name in _functions_of(obj):
-                for code in _codes(fn.__code__):
+                for code in code_objects(fn.__code__):
                     watched_codes.setdefault(id(code), name)
                     self._alive.append(code)
         return watched_codes
@@ -115,11 +116,14 @@ class Wire:
             if event == "call" and id(frame.f_code) in codes:
                 hits.append(codes[id(frame.f_code)])
         self._previous = sys.getprofile()
+        self._previous_threads = threading.getprofile()
         sys.setprofile(profile)
+        threading.setprofile(profile)  # threads the learner's code starts are watched too
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         sys.setprofile(self._previous)
+        threading.setprofile(self._previous_threads)
         self._one_thread.__exit__(exc_type, exc, tb)
         if self.hits and not isinstance(exc, LibraryShortcut):
             raise LibraryShortcut(
@@ -127,7 +131,8 @@ class Wire:
                 "yourself, not to call (or subclass, or return) minifsdp's implementation of it") from None
 
     def __getstate__(self) -> dict:
-        return {"library": self.library, "hits": [], "_previous": None, "_alive": [], "_one_thread": None}
+        return {"library": self.library, "hits": [], "_previous": None, "_alive": [], "_one_thread": None,
+                "_previous_threads": None}
 
 
 class _Watched:
@@ -151,7 +156,7 @@ def watched(fn: Callable[..., Any], *library: Any) -> Callable[..., Any]:
 # ------------------------------------------------------------------ statically
 def _names(code: types.CodeType) -> set[str]:
     found: set[str] = set()
-    for c in _codes(code):
+    for c in code_objects(code):
         found.update(c.co_names)
         found.update(ins.argval for ins in dis.get_instructions(c)
                      if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME", "IMPORT_NAME",
@@ -159,7 +164,7 @@ def _names(code: types.CodeType) -> set[str]:
     return found
 
 
-def _learner_owned(obj: Any) -> bool:
+def learner_owned(obj: Any) -> bool:
     """Defined in the notebook (or a test exec'ing its cells): code to follow, not library code."""
     module = getattr(obj, "__module__", "") or ""
     return not module.startswith(("minifsdp", "torch", "builtins", "numpy", "matplotlib", "ipywidgets"))
@@ -209,7 +214,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
         if isinstance(obj, types.MethodType):
             obj = obj.__func__
         if isinstance(obj, type):
-            if not _learner_owned(obj):
+            if not learner_owned(obj):
                 return
             for base in obj.__bases__:
                 visit(base, via or f" (through your class {obj.__name__})")
@@ -218,7 +223,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
                 if isinstance(inner, types.FunctionType):
                     visit(inner, via or f" (through your class {obj.__name__})")
             return
-        if not isinstance(obj, types.FunctionType) or not _learner_owned(obj):
+        if not isinstance(obj, types.FunctionType) or not learner_owned(obj):
             return
         path = via or ""
         names = _names(obj.__code__)
@@ -247,7 +252,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
         for value, name in referenced:
             if isinstance(value, types.ModuleType):
                 continue
-            helper = _learner_owned(value) and callable(value) and value is not obj
+            helper = learner_owned(value) and callable(value) and value is not obj
             alias = name if isinstance(name, str) and name != getattr(value, "__name__", name) else None
             visit(value, path or (f" (through your helper {name})" if helper else
                                   f" (as {alias})" if alias and not name.startswith("a ") else ""))

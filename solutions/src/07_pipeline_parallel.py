@@ -4,27 +4,24 @@
 # %% [markdown]
 # # 07 - Pipeline parallel: GPipe, 1F1B, interleaved, zero bubble
 #
-# Labs 02-04 split the *data* (and then the model's state) across ranks; every rank
-# still ran every layer. **Pipeline parallelism** splits the model *by layers*: rank 0
-# holds the first layers (a **stage**), rank 1 the next, and activations flow forward
-# from stage to stage while gradients flow back. The catch is idle time - the
-# **bubble** - and the whole art is the **schedule**: in which order each rank runs
-# the forward (F) and backward (B) of each **micro-batch**.
+# Labs 02-04 split the data (then the model's state) over ranks; each rank still ran
+# every layer. **Pipeline parallelism** splits the model *by layers* into **stages**, one
+# per rank: activations flow forward, gradients flow back. Ranks idle while they wait -
+# the **bubble** - and the **schedule** (the order of a rank's forwards F and backwards
+# B of each **micro-batch**) decides how much.
 #
-# **You will be able to**: measure the idle time of naive model parallelism from a
-# trace; explain why micro-batches shrink the bubble to (p-1)/(m+p-1); **write the
-# 1F1B schedule as data** (warm-up, steady state, cool-down) and run it on real ranks
-# with the same gradients as one process; **write interleaved 1F1B** (several stages per
-# rank, depth first); **write a zero-bubble schedule** that splits each backward into
-# input and weight gradients; and use `minifsdp.pipeline` exactly like
-# `torch.distributed.pipelining`.
+# **You will be able to**: write the 1F1B, interleaved 1F1B and zero-bubble schedules as
+# data, on their bubble and memory targets; write the executor that runs a plan on
+# ranks with one process's gradients; read a bubble off a trace.
 #
-# **Prerequisites**: lab 00 (ranks, send/recv), lab 01 (activation memory).
-# **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
-# (2 CPU ranks), the same on a 2-GPU VM.
-#
-# **Exercises**: 1. the measured bubble of a trace · 2. 1F1B as data · 3. an executor that
-# runs your plan · 4. interleaved 1F1B · 5. a zero-bubble schedule.
+# **Prerequisites**: labs 00 (ranks, send/recv) and 01 (activation memory).
+# **Time**: about 60 minutes of work; about a minute of compute on a laptop (2 CPU
+# ranks), as long on a GPU VM (2 ranks on any machine).
+
+# %% [markdown]
+# **Exercises**: 1. 1F1B as data · 2. an executor that runs your plan · 3. interleaved
+# 1F1B · 4. a zero-bubble schedule. Each states its goal and its target; when stuck,
+# `check.hint("my_1f1b")` (the exercise's function name) prints the next hint, one at a time.
 #
 # Symbols: p = pipeline stages (ranks), m = micro-batches per step, v = stages per rank
 # (interleaved). In plans, `"1F3"` is stage 1's forward of micro-batch 3 (torch's notation).
@@ -35,16 +32,17 @@ import time
 
 import ipywidgets as widgets
 import torch
+from IPython.display import display
 
 from minifsdp import comm, data, dist, estimate, launch, models, plot, trace
 from minifsdp.labcheck import lab07 as check
 from minifsdp.memory import MemoryTracker
-from minifsdp.pipeline import (Action, Plan, PipelineStage, ScheduleFromPlan, make_plan, simulate, split_gpt,
+from minifsdp.pipeline import (Action, Plan, PipelineStage, ScheduleFromPlan, make_plan, measured_bubble, split_gpt,
                                validate)
 
 torch.set_num_threads(1)
 notebook_start = time.perf_counter()
-P = dist.lab_world_size(2)     # ranks that run: 2 CPU processes (or 2 GPUs); plans below go to p = 8 on paper
+P = 2     # ranks that run (2 GPUs, or 2 CPU processes where the machine has fewer); plans on paper go to p = 8
 MODEL, BATCH, SEQ = "gpt-mini", 16, 64
 MiB = 2**20
 
@@ -84,6 +82,12 @@ def run_pipeline(plans, steps=2, batch=BATCH, track_memory=False):
     return out
 
 
+# %% [markdown]
+# **Predict first**: on 2 ranks, with one micro-batch and a backward that costs about two
+# forwards, what fraction of the rank-time is idle? Then run it:
+
+# %%
+# FIGURE
 naive = launch(run_pipeline, P, [make_plan("gpipe", P, 1)], timeout=120)
 traces = [rank_result[0][0] for rank_result in naive]
 plot.timeline(traces, title=f"naive model parallel: {MODEL} cut in {P}, one micro-batch")
@@ -93,37 +97,13 @@ plot.timeline(traces, title=f"naive model parallel: {MODEL} cut in {P}, one micr
 # is a rank waiting for its neighbour. *Takeaway: with one micro-batch only one rank
 # works at a time.*
 #
-# ### Exercise 1: the measured bubble
-#
-# The **bubble** is the idle fraction of rank-time during the step: take the window
-# from the first pipeline compute span (any rank) to the last, times the number of
-# ranks; subtract the time spent in compute spans; divide. Pipeline compute spans are
-# named `forward`, `backward`, `backward_input`, `backward_weight` (a `trace.Span` has
-# `.name`, `.kind`, `.start`, `.end` in seconds; a `trace.Trace` has `.spans`).
+# The **measured bubble** is the idle fraction of rank-time: from the first forward or
+# backward of any rank to the last, times the number of ranks, minus the time spent
+# computing, over that total. Waiting in a `recv` counts as idle; the formula for p
+# stages and m micro-batches is (p-1)/(m+p-1).
 
 # %%
-PIPELINE_WORK = ("forward", "backward", "backward_input", "backward_weight")
-
-
-def my_measured_bubble(traces) -> float:
-    """Idle fraction of rank-time between the first and last pipeline compute span of any rank."""
-    # BEGIN SOLUTION
-    # HINT: Keep only spans whose name is pipeline work (communication waits are idle, and a
-    # HINT: span around the whole step is not work). Busy = the sum of their durations over all
-    # HINT: ranks; total = (latest end - earliest start) x number of traces.
-    work = [s for tr in traces for s in tr.spans if s.name in PIPELINE_WORK]
-    window = (max(s.end for s in work) - min(s.start for s in work)) * len(traces)
-    busy = sum(s.end - s.start for s in work)
-    return (window - busy) / window
-    # END SOLUTION
-
-
-# %%
-# CHECK: my_measured_bubble gives the exact idle fraction of hand-made traces
-check.measured_bubble(my_measured_bubble)
-
-# %%
-print(f"naive model parallel on {P} ranks: measured bubble {my_measured_bubble(traces):.0%} "
+print(f"naive model parallel on {P} ranks: measured bubble {measured_bubble(traces):.0%} "
       f"(formula (p-1)/(m+p-1) = {estimate.pipeline_bubble_fraction(P, 1):.0%})")
 
 # %% [markdown]
@@ -145,15 +125,16 @@ print(plan.table())
 print(f"bubble on paper {plan.bubble():.1%}; formula (p-1)/(m+p-1) = {estimate.pipeline_bubble_fraction(4, 4):.1%}")
 
 # %% [markdown]
-# Now measured: GPipe on P ranks at m = 1, 2, 4, 8, your bubble function on each
-# trace beside the plan's and the formula's.
+# Now measured: GPipe on P ranks at m = 1, 2, 4, 8, the measured bubble of each trace
+# beside the plan's and the formula's.
 
 # %%
+# FIGURE
 MS = (1, 2, 4, 8)
 gpipe_runs = launch(run_pipeline, P, [make_plan("gpipe", P, m) for m in MS], timeout=180)
 print(f"{'m':>3}  {'measured':>9}  {'plan':>6}  {'formula':>8}")
 for k, m in enumerate(MS):
-    measured = my_measured_bubble([rank_result[k][0] for rank_result in gpipe_runs])
+    measured = measured_bubble([rank_result[k][0] for rank_result in gpipe_runs])
     print(f"{m:>3}  {measured:9.1%}  {make_plan('gpipe', P, m).bubble():6.1%}  "
           f"{estimate.pipeline_bubble_fraction(P, m):8.1%}")
 plot.pipeline_schedule(make_plan("gpipe", P, 4), [rank_result[2][0] for rank_result in gpipe_runs],
@@ -167,33 +148,33 @@ plot.pipeline_schedule(make_plan("gpipe", P, 4), [rank_result[2][0] for rank_res
 #
 # ## 3. 1F1B: the same bubble, a fraction of the memory
 #
-# 1F1B (PipeDream-Flush; torch's `Schedule1F1B`) starts each backward as soon as it
-# can. Rank r (0-based, p ranks) runs
+# 1F1B (PipeDream-Flush; torch's `Schedule1F1B`) runs each backward as soon as it can,
+# so that a micro-batch's activations are freed early. Each rank goes through three
+# phases: a **warm-up** of forwards only, while no gradient can have come back to it
+# yet; a **steady state** where every forward is paired with a backward, the oldest
+# micro-batch in flight first; a **cool-down** that finishes the backwards still owed.
+# The last rank needs no warm-up; the first rank the longest one.
+
+# %% [markdown]
+# ### Exercise 1: write 1F1B as data
 #
-# * **warm-up**: forwards of micro-batches 0 … w-1, with w = min(p-1-r, m): the ones
-#   in flight while micro-batch 0 travels to the last stage and its gradient back;
-# * **steady state**: for each remaining micro-batch, its forward, then the backward
-#   of the *oldest* micro-batch in flight;
-# * **cool-down**: the backwards still owed.
+# **Goal**: `my_1f1b(p, m)` returns the 1F1B plan, `{rank: [action, ...]}` for ranks
+# 0 … p-1, one stage per rank (stage r on rank r); an action is the string
+# `f"{stage}F{mb}"` or `f"{stage}B{mb}"`. Leave out the messages: `validate` inserts each
+# receive before the action that needs it and each send after the one that produced it.
 #
-# So rank r never holds more than p - r micro-batches, whatever m is.
+# **Target**: a valid plan (every m, including m < p) with GPipe's bubble (p-1)/(m+p-1),
+# where rank r never holds more than min(m, p - r) micro-batches at once (GPipe: m).
 #
-# ### Exercise 2: write 1F1B as data
-#
-# Return `{rank: [action, ...]}` for p ranks and m micro-batches, one stage per rank
-# (stage r on rank r). An action is the string `f"{stage}F{mb}"` or `f"{stage}B{mb}"`.
-# Leave out the messages: `validate` inserts each receive just before the action that
-# needs it and each send just after the one that produced it.
+# Stuck? `check.hint("my_1f1b")` gives the next hint; run it again for the one after.
 
 # %%
 def my_1f1b(p: int, m: int) -> dict[int, list[str]]:
-    """The 1F1B plan: per rank, warm-up forwards, then one forward / one backward, then cool-down."""
+    """The 1F1B plan: per rank, the ordered compute actions ("0F1", "0B0", ...)."""
     order = {}
     for r in range(p):
         # BEGIN SOLUTION
-        # HINT: Count the warm-up forwards first (min(p - 1 - r, m)). In the steady state the
-        # HINT: forward runs the next micro-batch not yet started and the backward the oldest one
-        # HINT: not yet finished; the cool-down finishes the rest in order.
+        # HINT: warm-up, one F / one B, cool-down, per rank. check.hint("my_1f1b") for more
         w = min(p - 1 - r, m)
         acts = [f"{r}F{i}" for i in range(w)]
         for i in range(m - w):
@@ -221,17 +202,22 @@ print(f"bubble {timeline.bubble:.1%}; micro-batches held at the peak, per rank: 
       f"(GPipe: {make_plan('gpipe', 4, 8).peak_activations()})")
 
 # %% [markdown]
-# ### Exercise 3: run a plan yourself
+# ### Exercise 2: run a plan yourself
 #
-# A plan is just a list; running it is a loop. `validate(plan).lowered` (or
-# `plan.with_comms()`) is the plan with its messages: `RECV_F` before a forward that
-# needs a neighbour's activation, `SEND_F` after it, `RECV_B` / `SEND_B` the same for
-# gradients. Write the loop body for one rank: a received activation becomes a leaf
-# that requires grad (so backward leaves the gradient for the previous rank in its
-# `.grad`); the last rank's forward ends in the loss; a backward starts from the loss
-# on the last rank and from the received gradient elsewhere. Use `comm.recv(buffer,
-# src)` (blocking) and `comm.isend(tensor, dst)` (keep the handle in `sends`), and let
-# go of a micro-batch's tensors once its backward and sends are done.
+# A plan is a list; running it is a loop. `plan.with_comms()` is the plan with its
+# messages: `RECV_F` (an activation from the previous rank) before a forward that needs
+# it, `SEND_F` (to the next rank) after it; `RECV_B` (the gradient of this stage's
+# output, from the next rank) before a backward, `SEND_B` (the gradient of its input, to
+# the previous rank) after it.
+#
+# **Goal**: `my_run_plan(stage_module, actions, x, y, m)` runs one rank's list for one
+# step and returns the last rank's m losses in micro-batch order (`[]` elsewhere).
+# Building blocks: `comm.recv(buffer, src)` fills a buffer (blocking),
+# `comm.isend(tensor, dst)` returns a handle to wait on, `models.lm_loss(logits, targets)`.
+#
+# **Target**: on 2 ranks, GPipe's and 1F1B's gradients equal one process's on the whole
+# batch (relative difference < 1e-5), and under 1F1B rank 0's activations peak below
+# 0.9 × GPipe's. `check.hint("my_run_plan")` gives the next hint.
 
 # %%
 def my_run_plan(stage_module, actions, x, y, m):
@@ -240,12 +226,10 @@ def my_run_plan(stage_module, actions, x, y, m):
     xs, ys = x.chunk(m), y.chunk(m)
     shape = (x.shape[0] // m, x.shape[1], stage_module.config.n_embd)  # what travels between stages
     inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
+    # BEGIN SOLUTION
+    # HINT: one small step per action kind, then the step's gradient. check.hint("my_run_plan")
     for a in actions:
         i = a.mb
-        # BEGIN SOLUTION
-        # HINT: One branch per a.kind. RECV_* fill a fresh torch.empty(shape) from the neighbour (rank - 1
-        # HINT: for activations, rank + 1 for gradients); F keeps its input and output (the loss on the
-        # HINT: last rank); B pops the output and runs backward; SEND_B sends the input's .grad upstream.
         if a.kind == "RECV_F":
             inputs[i] = torch.empty(shape, device=dist.device())
             comm.recv(inputs[i], rank - 1)
@@ -265,11 +249,11 @@ def my_run_plan(stage_module, actions, x, y, m):
             outputs.pop(i).backward(grads.pop(i) if rank < p - 1 else None)
         elif a.kind == "SEND_B":
             sends.append(comm.isend(inputs.pop(i).grad, rank - 1))
-        # END SOLUTION
     for handle in sends:
         handle.wait()
     for q in stage_module.parameters():
-        q.grad /= m  # the mean over micro-batches: the whole batch's gradient
+        q.grad /= m
+    # END SOLUTION
     return losses
 
 
@@ -284,6 +268,7 @@ check.executor(my_run_plan)
 # your gradients against one process running the whole batch:
 
 # %%
+# FIGURE
 m = 2 * P
 yours = {r: [Action.parse(a) for a in acts] for r, acts in my_1f1b(P, m).items()}
 runs = launch(run_pipeline, P, [Plan("my 1F1B", P, m, 1, yours), make_plan("gpipe", P, m)], 2, BATCH, True,
@@ -303,7 +288,9 @@ plot.pipeline_schedule(Plan("my 1F1B", P, m, 1, yours), [rank_result[0][0] for r
                        title="your 1F1B: planned (top) and measured (bottom)")
 
 # %% [markdown]
-# And your 1F1B's measured bubble at m = 1, 2, 4, 8, beside GPipe's from section 2:
+# *Takeaway: the same gradients as one process, the same bubble as GPipe, and rank 0
+# holds p micro-batches instead of m - the tracker's peak shows it.* And your 1F1B's
+# measured bubble at m = 1, 2, 4, 8, beside GPipe's from section 2:
 
 # %%
 def my_plan(m):
@@ -313,33 +300,32 @@ def my_plan(m):
 one_f_runs = launch(run_pipeline, P, [my_plan(m) for m in MS], timeout=180)
 print(f"{'m':>3}  {'your 1F1B':>9}  {'GPipe':>6}  {'plan':>6}  {'formula':>8}   (measured, measured, both plans)")
 for k, m in enumerate(MS):
-    mine_measured = my_measured_bubble([rank_result[k][0] for rank_result in one_f_runs])
-    gpipe_measured = my_measured_bubble([rank_result[k][0] for rank_result in gpipe_runs])
+    mine_measured = measured_bubble([rank_result[k][0] for rank_result in one_f_runs])
+    gpipe_measured = measured_bubble([rank_result[k][0] for rank_result in gpipe_runs])
     print(f"{m:>3}  {mine_measured:9.1%}  {gpipe_measured:6.1%}  {my_plan(m).bubble():6.1%}  "
           f"{estimate.pipeline_bubble_fraction(P, m):8.1%}")
 
 # %% [markdown]
-# *Takeaway: the same gradients as one process, the same bubble as GPipe, and rank 0
-# holds p micro-batches instead of m - the tracker's peak shows it.*
-#
 # ## 4. Interleaved 1F1B: more, smaller stages per rank
 #
 # Megatron-LM's interleaved schedule gives each rank v stages: rank r holds stages
 # r, r + p, …, r + (v-1)·p, its **chunks** 0 … v-1. The pipeline is v times deeper but
 # each stage v times shorter, so warm-up and cool-down shrink: bubble (p-1)/(v·m+p-1),
-# paid for with v times more messages.
+# paid for with v times more messages. The order that gets there is **depth first**:
+# micro-batches move in rounds of p, and a round goes through all of a rank's chunks
+# before the next round starts, so the first gradients come back early. Backwards come
+# back from the last stage, so a rank meets its chunks in reverse.
+
+# %% [markdown]
+# ### Exercise 3: interleaved 1F1B as data
 #
-# ### Exercise 4: interleaved 1F1B as data
+# **Goal**: `my_interleaved(p, m, v)` returns `{rank: [action, ...]}` with actions
+# `f"{stage}F{mb}"` / `f"{stage}B{mb}"`, rank r running stages r, r + p, … (m is a
+# multiple of p here).
 #
-# Order of a rank's forwards: micro-batches go in **rounds of p**; a rank runs the
-# round's p forwards on chunk 0, then the same p on chunk 1, …, then the next round
-# (depth first: a round reaches the last stage early, so gradients come back early).
-# Its backwards walk the same rounds with the chunks in **reverse** (the last stage's
-# gradients come first). Then the 1F1B pattern: a warm-up of forwards, one forward / one
-# backward, a cool-down. The warm-up must cover the rank's other chunks of the first
-# round plus the trip of the first gradient back to it. Here m is a multiple of p.
-# Target: the formula's bubble, and no rank holding more micro-batches than the
-# library's plan does.
+# **Target**: valid for every (p, m, v) the check tries, the bubble (p-1)/(v·m+p-1), and
+# no rank holding more micro-batches' worth of its layers than the library's plan does.
+# `check.hint("my_interleaved")` gives the next hint.
 
 # %%
 def my_interleaved(p: int, m: int, v: int) -> dict[int, list[str]]:
@@ -347,9 +333,7 @@ def my_interleaved(p: int, m: int, v: int) -> dict[int, list[str]]:
     order = {}
     for r in range(p):
         # BEGIN SOLUTION
-        # HINT: Number the rank's forwards j = 0 ... v*m - 1 and write which (chunk, micro-batch) the j-th one
-        # HINT: is; the j-th backward is the same with the chunks counted from the last. Then reuse 1F1B's
-        # HINT: warm-up / steady / cool-down loop; too short a warm-up shows up as a backward before its forward.
+        # HINT: forwards and backwards in order, paced like 1F1B. check.hint("my_interleaved")
         def chunk_and_mb(j):
             return j // p % v, j // (p * v) * p + j % p
         fwd = [f"{r + k * p}F{i}" for k, i in map(chunk_and_mb, range(v * m))]
@@ -368,8 +352,8 @@ def my_interleaved(p: int, m: int, v: int) -> dict[int, list[str]]:
 check.interleaved(my_interleaved)
 
 # %% [markdown]
-# Your plan on paper (`a` = a rank's first stage, `b` its second), then on the ranks: the
-# GPT cut into 2P stages, two per rank, at m = 2P, beside your 1F1B at the same m.
+# Your plan on paper (hatched: a rank's second stage), then on the ranks: the GPT cut
+# into 2P stages, two per rank, at m = 2P, beside your 1F1B at the same m.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -382,13 +366,14 @@ print(my_interleaved_plan(4, 8, 2).table())
 print(f"bubble {my_interleaved_plan(4, 8, 2).bubble():.1%}, 1F1B's {make_plan('1f1b', 4, 8).bubble():.1%}")
 
 # %%
+# FIGURE
 inter_runs = launch(run_pipeline, P, [my_interleaved_plan(P, 2 * P, 2)], timeout=120)
 worst = max(((g - ref[n].grad).norm() / ref[n].grad.norm()).item() for rank_result in inter_runs
             for n, g in rank_result[0][1].items())
 k = MS.index(2 * P) if 2 * P in MS else None
 print(f"your interleaved 1F1B on {P} ranks (v=2, m={2 * P}): largest relative gradient difference {worst:.1e}; "
-      f"measured bubble {my_measured_bubble([rr[0][0] for rr in inter_runs]):.1%}"
-      + (f", your 1F1B's {my_measured_bubble([rr[k][0] for rr in one_f_runs]):.1%}" if k is not None else ""))
+      f"measured bubble {measured_bubble([rr[0][0] for rr in inter_runs]):.1%}"
+      + (f", your 1F1B's {measured_bubble([rr[k][0] for rr in one_f_runs]):.1%}" if k is not None else ""))
 plot.pipeline_schedule(my_interleaved_plan(P, 2 * P, 2), [rr[0][0] for rr in inter_runs],
                        title="your interleaved 1F1B: planned (top) and measured (bottom)")
 
@@ -396,67 +381,43 @@ plot.pipeline_schedule(my_interleaved_plan(P, 2 * P, 2), [rr[0][0] for rr in int
 # *Takeaway: on paper interleaving divides the bubble by v. Measured on CPU the gain is
 # smaller: each stage is half as long but sends as many messages, and a message costs real
 # time here; on GPUs with fast links the measured figure sits closer to the paper's.*
-#
-# Move the knobs of any schedule: the diagram, the bubble and the peak activations come
-# from the plan alone (hatched bars: a rank's second stage).
-
-# %%
-def explore(schedule="interleaved", p=4, m=8, v=2):
-    """Draw a plan; print its bubble beside the formula and its peak activations per rank."""
-    v = v if schedule in ("interleaved", "zero-bubble") else 1
-    try:
-        plan = make_plan(schedule, p, m, v)
-    except ValueError as err:
-        print(err)
-        return None
-    formula = estimate.pipeline_bubble_fraction(p, m, v)
-    print(f"{schedule}: bubble {plan.bubble():.1%} (formula (p-1)/(v*m+p-1) = {formula:.1%}); "
-          f"peak activations per rank, in micro-batches of a whole rank's layers: {plan.peak_activations()}")
-    return plot.pipeline_schedule(plan)
-
-
-widgets.interact(explore, schedule=["gpipe", "1f1b", "interleaved", "zero-bubble"],
-                 p=widgets.IntSlider(4, 1, 8), m=widgets.IntSlider(8, 1, 32), v=widgets.IntSlider(2, 1, 4));
-
-# %%
-explore("interleaved", p=4, m=8, v=2)
 
 # %% [markdown]
-# *Takeaway: interleaving divides the bubble by v; for m < p no schedule hides it.*
-#
 # ## 5. Zero bubble: split the backward
 #
 # A backward computes two things: the gradient of the stage's **input** (I), which the
 # previous stage is waiting for, and the gradient of its **weights** (W), which nobody
-# needs before the optimizer step. Zero-bubble pipelines (Qi et al. 2024) run I at B's
-# place and move each W into a slot where the rank would otherwise wait. On paper
-# F = I = W = 1 unit. The executor implements the split: I is one autograd pass to the
-# stage input *and* to each layer's output; W is `autograd.grad(layer_output,
-# layer.weights, grad)` per layer, which walks only that layer's own nodes.
+# needs before the optimizer step. Zero-bubble pipelines (Qi et al. 2024) run I where B
+# ran and move each W into a slot where the rank would otherwise wait. On paper
+# F = I = W = 1 unit. A micro-batch's activations are freed only by its W, so a W held
+# back costs memory. (The executor runs I as one autograd pass to the stage input and to
+# each layer's output, and W per layer with `autograd.grad`, which walks only that
+# layer's own nodes.)
+
+# %% [markdown]
+# ### Exercise 4: a zero-bubble schedule
 #
-# ### Exercise 5: a zero-bubble schedule
+# **Goal**: `my_zero_bubble(p, m)` returns `{rank: [action, ...]}` with actions
+# `f"{stage}F{mb}"`, `f"{stage}I{mb}"`, `f"{stage}W{mb}"` (one stage per rank): 1F1B's
+# order of forwards and input gradients, and every W placed by you.
 #
-# Start from 1F1B with each `B` replaced by `I`; every `I` now owes a `W` of the same
-# micro-batch. Place the W's so that the bubble is below 1F1B's while no rank holds more
-# micro-batches than 1F1B's rank 0 does (p): a micro-batch's activations are freed by
-# its W. Target, for m >= p: ZB-H1's (p-1)/(3m+p-1), a third of 1F1B's. (Running each W
-# right after its I already helps a little - the previous stage gets I sooner - but
-# fills no idle slot.)
+# **Target**: valid; a bubble below 1F1B's for every m, and for m ≥ p at ZB-H1's
+# (p-1)/(3m+p-1), a third of 1F1B's; no rank holding more micro-batches at once than
+# 1F1B's rank 0 (p). A W right after its I is valid but fills no idle slot.
+# `check.hint("my_zero_bubble")` gives the next hint.
 
 # %%
 def my_zero_bubble(p: int, m: int) -> dict[int, list[str]]:
-    """1F1B's order with B split into I (in B's place) and W (deferred), per rank."""
+    """1F1B's order with B split into I (in B's place) and W (placed to fill idle slots), per rank."""
     order = {}
     for r in range(p):
         # BEGIN SOLUTION
-        # HINT: In the cool-down rank 0 waits longest for each I from downstream, and the last rank
-        # HINT: never waits. Which ranks have idle slots to fill, and how many W's should each keep
-        # HINT: in hand to fill them? A rank may hold up to p micro-batches (1F1B's rank 0 does).
+        # HINT: 1F1B with I for B; each W goes where the rank would idle. check.hint("my_zero_bubble")
         w = min(p - 1 - r, m)
         acts = [f"{r}F{i}" for i in range(w)]
         steady = [[f"{r}F{w + i}", f"{r}I{i}"] for i in range(m - w)] + [[f"{r}I{i}"] for i in range(m - w, m)]
         for i, group in enumerate(steady):
-            acts += group + ([f"{r}W{i - r}"] if i >= r else [])  # rank r runs each W r micro-batches late
+            acts += group + ([f"{r}W{i - r}"] if i >= r else [])
         acts += [f"{r}W{i}" for i in range(max(0, m - r), m)]
         order[r] = acts
         # END SOLUTION
@@ -468,6 +429,7 @@ def my_zero_bubble(p: int, m: int) -> dict[int, list[str]]:
 check.zero_bubble(my_zero_bubble)
 
 # %%
+# FIGURE
 zb = Plan("my zero bubble", P, 2 * P, 1,
           {r: [Action.parse(a) for a in acts] for r, acts in my_zero_bubble(P, 2 * P).items()})
 print(validate(zb).table())
@@ -483,7 +445,53 @@ plot.pipeline_schedule(zb, [rank_result[0][0] for rank_result in zb_runs],
 # than on paper because W is cheaper than a third of a backward here and the messages
 # cost real time.*
 #
-# ## 6. The same API as `torch.distributed.pipelining`
+# ## 6. Every schedule, every knob
+#
+# Move the knobs: the diagram, the bubble and the peak activations come from the plan
+# alone (hatched bars: a rank's second stage). A slider redraws when you let go of it.
+
+# %%
+def explore(schedule="interleaved", p=4, m=8, v=2):
+    """Draw the library's plan; print its bubble beside the formula and its peak activations per rank."""
+    v = v if schedule in ("interleaved", "zero-bubble") else 1
+    try:
+        plan = make_plan(schedule, p, m, v)
+    except ValueError as err:
+        print(err)
+        return None
+    formula = estimate.pipeline_bubble_fraction(p, m, v)
+    print(f"{schedule}: bubble {plan.bubble():.1%} (formula (p-1)/(v*m+p-1) = {formula:.1%}); "
+          f"peak activations per rank, in micro-batches of a whole rank's layers: {plan.peak_activations()}")
+    return plot.pipeline_schedule(plan)
+
+
+def _slider(label, value, low, high):
+    return widgets.IntSlider(value, low, high, description=label, continuous_update=False,
+                             style={"description_width": "initial"}, layout=widgets.Layout(width="560px"))
+
+
+def _draw(**knobs):
+    fig = explore(**knobs)
+    if fig is not None:
+        display(fig)
+
+
+knobs = {"schedule": widgets.Dropdown(options=["gpipe", "1f1b", "interleaved", "zero-bubble"], value="interleaved",
+                                      description="schedule", style={"description_width": "initial"}),
+         "p": _slider("p (ranks)", 4, 1, 8), "m": _slider("m (micro-batches)", 8, 1, 32),
+         "v": _slider("v (stages per rank)", 2, 1, 4)}
+display(widgets.VBox(list(knobs.values())), widgets.interactive_output(_draw, knobs))
+
+# %%
+# FIGURE
+explore("interleaved", p=4, m=8, v=2)
+
+# %% [markdown]
+# *Takeaway: interleaving divides the bubble by v and zero bubble fills the cool-down with
+# W's; for m < p no schedule hides the bubble.*
+
+# %% [markdown]
+# ## 7. The same API as `torch.distributed.pipelining`
 #
 # `minifsdp.pipeline` takes PyTorch's names and arguments, so a script written for
 # `torch.distributed.pipelining` runs by changing one import:
