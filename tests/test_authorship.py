@@ -132,3 +132,30 @@ def test_wire_sees_a_thread_the_learner_starts():
     with pytest.raises(LibraryShortcut, match="bucket_assignment"):
         with Wire(bucket_assignment):
             in_a_thread(PARAMS, 1.0)
+
+
+def test_decorated_library_code_is_watched_under_its_decorator():
+    """A @contextmanager's wrapper code is shared by every context manager: only the function under it counts."""
+    from minifsdp import trace
+
+    @__import__("contextlib").contextmanager
+    def mine():
+        yield
+    with Wire(trace.span) as wire:
+        with mine():
+            pass
+    assert wire.hits == []
+    with pytest.raises(LibraryShortcut, match="span"):
+        with Wire(trace.span):
+            with trace.span("step"):
+                pass
+
+
+def test_an_attribute_is_not_a_global_of_the_same_name():
+    """``tuc.checkpoint`` reads torch's, even where the notebook also imported minifsdp's ``checkpoint``."""
+    from minifsdp.checkpoint import checkpoint
+    ns = _cell("import torch.utils.checkpoint as tuc\nfrom minifsdp.checkpoint import checkpoint\n"
+               "def mine(f, x):\n    return tuc.checkpoint(f, x, use_reentrant=False)\n"
+               "def theirs(f, x):\n    return checkpoint(f, x)\n")
+    assert library_reached(ns["mine"], checkpoint) == []
+    assert library_reached(ns["theirs"], checkpoint)

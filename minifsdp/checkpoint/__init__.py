@@ -17,7 +17,8 @@ Read in this order, the two implementations side by side:
 * ``reentrant.py``     an autograd Function that re-runs the forward in its
                        backward, with a nested ``backward`` call (the original);
 * ``non_reentrant.py`` saved-tensor hooks: pack drops each saved tensor,
-                       the first unpack recomputes the block (torch's default);
+                       the first unpack recomputes the block (what torch
+                       recommends; torch 2.13 still defaults to reentrant);
 * ``replay.py``        RNG and autocast state, so dropout recomputes the same mask;
 * ``selective.py``     keep chosen ops' outputs (the matmuls), recompute the rest;
 * ``offload.py``       the alternative: keep saved tensors in CPU memory;

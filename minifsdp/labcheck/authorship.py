@@ -34,6 +34,7 @@ callable that runs ``fn`` under a wire.
 from __future__ import annotations
 
 import dis
+import inspect
 import sys
 import threading
 import types
@@ -52,10 +53,20 @@ def _name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}"
 
 
+def _unwrapped(fn: Any) -> Any:
+    """The function under decorators (``@contextmanager``, torch's ``__torch_dispatch__`` wrapper): the wrapper's
+    code is shared by every decorated function, so watching it would trip on all of them."""
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:
+        return fn
+
+
 def _functions_of(obj: Any) -> Iterable[tuple[types.FunctionType, str]]:
     """The Python functions that implement ``obj``: itself, or every method a class defines (any kind)."""
     if isinstance(obj, types.MethodType):
         obj = obj.__func__
+    obj = _unwrapped(obj)
     if isinstance(obj, types.FunctionType):
         yield obj, _name(obj)
     elif isinstance(obj, type):
@@ -64,6 +75,7 @@ def _functions_of(obj: Any) -> Iterable[tuple[types.FunctionType, str]]:
                 continue  # torch.nn.Module, autograd.Function...: the shared base is not the exercise
             for attr, value in vars(klass).items():
                 for fn in (getattr(value, "__func__", None), getattr(value, "fget", None), value):
+                    fn = _unwrapped(fn)
                     if isinstance(fn, types.FunctionType):
                         yield fn, f"{_name(klass)}.{attr}"
                         break
@@ -154,14 +166,20 @@ def watched(fn: Callable[..., Any], *library: Any) -> Callable[..., Any]:
 
 
 # ------------------------------------------------------------------ statically
-def _names(code: types.CodeType) -> set[str]:
-    found: set[str] = set()
+def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """(global names the code reads, attribute names it reads): ``d.NaiveDataParallel`` is a global ``d`` and
+    an attribute ``NaiveDataParallel``, which only counts when read off a module."""
+    globals_read: set[str] = set()
+    attributes: set[str] = set()
     for c in code_objects(code):
-        found.update(c.co_names)
-        found.update(ins.argval for ins in dis.get_instructions(c)
-                     if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME", "IMPORT_NAME",
-                                       "IMPORT_FROM") and isinstance(ins.argval, str))
-    return found
+        for ins in dis.get_instructions(c):
+            if not isinstance(ins.argval, str):
+                continue
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                globals_read.add(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"):
+                attributes.add(ins.argval)
+    return globals_read, attributes
 
 
 def learner_owned(obj: Any) -> bool:
@@ -197,7 +215,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
             base = next(c for c in classes if issubclass(obj, c))
             found.append(f"{_name(base)} (your class {obj.__name__} subclasses it)")
             return True
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        code = getattr(_unwrapped(getattr(obj, "__func__", obj)), "__code__", None)
         if code in codes:
             found.append(f"{codes[code]}{path}")
             return True
@@ -213,6 +231,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
             return
         if isinstance(obj, types.MethodType):
             obj = obj.__func__
+        obj = _unwrapped(obj)
         if isinstance(obj, type):
             if not learner_owned(obj):
                 return
@@ -226,9 +245,10 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
         if not isinstance(obj, types.FunctionType) or not learner_owned(obj):
             return
         path = via or ""
-        names = _names(obj.__code__)
+        global_names, names = _names(obj.__code__)
+        names |= global_names
         referenced: list[Any] = []
-        for name in names:
+        for name in global_names:
             if name in obj.__globals__:
                 referenced.append((obj.__globals__[name], name))
         for cell in obj.__closure__ or ():
