@@ -159,3 +159,11 @@ def test_an_attribute_is_not_a_global_of_the_same_name():
                "def theirs(f, x):\n    return checkpoint(f, x)\n")
     assert library_reached(ns["mine"], checkpoint) == []
     assert library_reached(ns["theirs"], checkpoint)
+
+
+def test_wire_sees_a_c_function():
+    """torch's kernels are C functions (no Python frame): the wire watches them as the profiler's c_call."""
+    with pytest.raises(LibraryShortcut, match="torch._amp_update_scale_"):
+        with Wire(torch._amp_update_scale_):
+            growth = torch.zeros(1, dtype=torch.int32)
+            torch._amp_update_scale_(torch.ones(1), growth, torch.zeros(1), 2.0, 0.5, 2000)

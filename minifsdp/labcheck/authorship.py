@@ -95,7 +95,8 @@ class Wire:
 
     ``with Wire(NaiveDataParallel, bucket_assignment): learner_code()`` raises
     :class:`LibraryShortcut` on leaving if any function (or method, or nested
-    function) of those objects ran inside; ``wire.hits`` lists what ran.
+    function) of those objects ran inside, or any C function among them (torch's
+    kernels, seen as the profiler's ``c_call``); ``wire.hits`` lists what ran.
     """
 
     def __init__(self, *library: Any):
@@ -110,6 +111,9 @@ class Wire:
         watched_codes: dict[int, str] = {}
         self._alive = []
         for obj in self.library:
+            if isinstance(obj, types.BuiltinFunctionType):  # a C function (torch's kernels): seen as "c_call"
+                watched_codes[id(obj)] = f"{getattr(obj, '__module__', None) or 'torch'}.{obj.__name__}"
+                self._alive.append(obj)
             for fn, name in _functions_of(obj):
                 for code in code_objects(fn.__code__):
                     watched_codes.setdefault(id(code), name)
@@ -127,6 +131,8 @@ class Wire:
         def profile(frame: types.FrameType, event: str, arg: Any) -> None:
             if event == "call" and id(frame.f_code) in codes:
                 hits.append(codes[id(frame.f_code)])
+            elif event == "c_call" and id(arg) in codes:
+                hits.append(codes[id(arg)])
         self._previous = sys.getprofile()
         self._previous_threads = threading.getprofile()
         sys.setprofile(profile)
@@ -140,7 +146,7 @@ class Wire:
         if self.hits and not isinstance(exc, LibraryShortcut):
             raise LibraryShortcut(
                 f"your code ran the library's {self.hits[0]}: the exercise is to build this mechanism "
-                "yourself, not to call (or subclass, or return) minifsdp's implementation of it") from None
+                "yourself, not to call (or subclass, or return) the library's implementation of it") from None
 
     def __getstate__(self) -> dict:
         return {"library": self.library, "hits": [], "_previous": None, "_alive": [], "_one_thread": None,

@@ -1,24 +1,25 @@
-"""Checks of lab 05 (mixed precision): underflow, the scaler's two rules, fp16 training, FSDP bytes.
+"""Checks of lab 05 (mixed precision): what 16 bits lose, a loss scaler, an fp16 step, FSDP's precision.
 
 The yardsticks are measurements made while the check runs and torch's own
 kernels, never numbers copied from the lab:
 
-* ``underflow``: the learner's fraction against casting real values and
-  counting the zeros (fp16, bf16, fp32);
-* ``unscale``: the learner's in-place unscale and inf/NaN flag against torch's
-  ``_amp_foreach_non_finite_check_and_unscale_`` on the same gradients;
-* ``update``: the learner's rule, step by step over a sequence of overflows,
-  against torch's ``_amp_update_scale_`` and ``minifsdp.mixed_precision.update_scale``;
-* ``rescue``: the learner's fp16 step with their scaler trains gpt-tiny like the
+* ``lost_in_16_bits`` (exercise 1): the learner's underflow and swamping fractions
+  against casting real values and counting (fp16, bf16, fp32);
+* ``loss_scaler`` (2): the learner's ``LossScaler`` against torch's
+  ``_amp_foreach_non_finite_check_and_unscale_`` (unscale and flag) and
+  ``_amp_update_scale_`` (the scale, step by step over a sequence of overflows);
+* ``rescue`` (3): the learner's fp16 step with their scaler trains gpt-tiny like the
   same loop built on the library's scaler rules, and unlike fp16 without scaling;
-* ``sharded_step``: the learner's step on N ranks of FSDP, an inf written into one
-  rank's gradient shard, against ``ShardedGradScaler`` in the same loop: every rank
-  skips the same steps, holds the same scale, ends with the library's shards;
-* ``policy_bytes``: the learner's bytes per step for four precision policies
-  against the tracer's count of a real 2-rank FSDP step.
+* ``fsdp_precision`` (4): the learner's sharded step on 2 FSDP ranks, an inf written
+  into one rank's gradient shard, against ``ShardedGradScaler`` in the same loop (every
+  rank skips the same steps, holds the same scale, ends with the library's shards), and
+  the learner's bytes per step for four precision policies against the tracer's count.
 
-Read ``verdict.py`` first, then ``minifsdp/mixed_precision``; the FSDP runs the last two
-checks launch are in ``lab05_runs.py``.
+Every exercise is held to "your own mechanism": ``refuse_library`` reads the learner's
+code (aliases, helpers, subclasses) and a tripwire (``lab05_runs.wire``) watches it run, on
+the library's scalers and byte logic, torch's scalers and amp kernels included.
+``hint(name)`` gives the next hint of an exercise. Read ``verdict.py`` first; the runs the
+FSDP check launches are in ``lab05_runs.py``.
 """
 from __future__ import annotations
 
@@ -28,17 +29,76 @@ from typing import Any, Callable
 
 import torch
 
-from .. import data, dist, models
-from ..mixed_precision import unscale_grads_, update_scale
-from .lab05_runs import POLICIES, SHARDED_STEPS, fsdp_bytes, overflowing, sharded_worker
-from .verdict import call, failed, figures, forbid, passed, require_written, run
+from .. import data as _data
+from .. import models as _models
+from ..mixed_precision import unscale_grads_ as _unscale_grads_
+from ..mixed_precision import update_scale as _update_scale
+from . import lab05_runs as _runs
+from .verdict import Hints, call, check_world, failed, figures, passed, refuse_library, require_written, run
 
-SCALER_LIBRARY = ("GradScaler", "ShardedGradScaler", "unscale_grads_", "update_scale",
-                  "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+hint = Hints({
+    "underflow_fraction": [
+        "Casting to dtype is the experiment: store each value in dtype and look at what comes back.",
+        "A value underflows when it was nonzero and its cast is exactly 0; subnormals come back nonzero.",
+        "Boolean masks count; the denominator is the number of nonzero values, not of all values.",
+    ],
+    "swamped_fraction": [
+        "Precision, not range: a weight keeps ~8 significant bits in bf16, so a small enough update is "
+        "rounded away when added.",
+        "Store the weights and the updates in dtype, add them there, and compare the sum with the stored "
+        "weight.",
+        "Compare with the weight as stored in dtype (its cast), not the fp32 original; a bf16 tensor plus an "
+        "fp32 one computes in fp32. Divide by the nonzero updates.",
+    ],
+    "LossScaler": [
+        "An overflow means S was too large: shrink it at once. Only a long enough run of clean steps earns "
+        "a larger S.",
+        "The state is the scale and the number of clean steps in a row. unscale_ changes each gradient "
+        "tensor itself (the optimizer reads those objects) and reports any inf or NaN in any of them.",
+        "update has two cases. In the clean case count this step first, then compare with growth_interval; "
+        "after growing or backing off, the count starts again from 0.",
+    ],
+    "fp16_train_step": [
+        "Gradients survive fp16 only if the loss was multiplied by S before backward; the optimizer must see "
+        "the true gradients, in fp32, on the master copy, and never an inf.",
+        "Forward and scaled backward in fp16; give each master parameter its fp16 gradient as an fp32 .grad; "
+        "unscale and check; step only when clean; clear the gradients.",
+        "The fp16 model must end the step holding the master's new values (copied without autograd), and "
+        "the scale moves on every step, overflow or not.",
+    ],
+    "sharded_scaler_step": [
+        "Each rank sees only its own shard: the decision to skip must be the same on every rank, so the "
+        "ranks must share their flags.",
+        "Your scaler gives this rank's flag; make it a one-element tensor on dist.device(), combine it "
+        "across ranks with one collective, then decide and update the scale with the combined flag.",
+        "Which reduce op turns 'some rank has 1' into 1 everywhere? MIN or an average would skip only when "
+        "every rank overflowed.",
+    ],
+    "policy_bytes": [
+        "Each collective moves elements x bytes per element, in the dtype it runs in.",
+        "All-gather: every unit's elements once per gather, in param_dtype. Reduce-scatter: each unit's "
+        "elements once, in reduce_dtype.",
+        "None means a default: no policy or param_dtype None is fp32; reduce_dtype None is 'same as "
+        "param_dtype'. dtype.itemsize gives the bytes per element.",
+    ],
+})
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# ------------------------------------------------------------------ exercise 1: what underflows
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fraction(what: str, got: Any) -> float:
+    try:
+        return float(got)
+    except (TypeError, ValueError):
+        failed(what, f"return a number (a fraction between 0 and 1), got {type(got).__name__}")
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------ exercise 1: what 16 bits lose
 def _values() -> torch.Tensor:
     """Magnitudes from 1e-46 to 1 (every fp16/bf16 region), both signs, and some exact zeros."""
     g = torch.Generator().manual_seed(5)
@@ -47,41 +107,109 @@ def _values() -> torch.Tensor:
     return torch.cat([(mags * signs).float(), torch.zeros(200)])
 
 
-def underflow(underflow_fraction: Callable[[torch.Tensor, torch.dtype], float]) -> None:
-    """``underflow_fraction(values, dtype)``: the share of the nonzero values that become 0 in ``dtype``."""
-    what = "underflow fraction"
-    require_written(what, underflow_fraction)
-    v = _values()
+def _weights_and_updates() -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights as a model has them (small, near 1 like a norm's, of order 1) and updates from 1e-9 to 0.1."""
+    g = torch.Generator().manual_seed(11)
+    n = 4000
+    w = torch.cat([torch.randn(n // 2, generator=g) * 0.02, 1 + 0.1 * torch.randn(n // 4, generator=g),
+                   torch.randn(n // 4, generator=g)])
+    mags = 10 ** (torch.rand(n, generator=g, dtype=torch.float64) * 8 - 9)
+    u = (mags * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()).float()
+    u[::20] = 0
+    return w, u
+
+
+def _lost(values: torch.Tensor, dtype: torch.dtype) -> float:
+    nonzero = values != 0
+    return (nonzero & (values.to(dtype) == 0)).sum().item() / nonzero.sum().item()
+
+
+def _swamped(w: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, stored: bool = True) -> float:
+    """Share of nonzero updates that leave the weight unchanged: both stored in dtype and added there
+    (``stored``), or added in fp32 and rounded (what ``param.add_`` of an fp32 update does: also right)."""
+    nonzero, w16 = u != 0, w.to(dtype)
+    same = (w16 + u.to(dtype)) == w16 if stored else (w + u).to(dtype) == w16
+    return (nonzero & same).sum().item() / nonzero.sum().item()
+
+
+_EXERCISE1_LIBRARY = (_lost, _swamped)   # no library function computes these: the check's own answers
+
+
+def _underflow(underflow_fraction: Callable[..., Any]) -> str:
+    what = "what 16 bits lose (underflow_fraction)"
+    v, lines = _values(), []
     nonzero = v != 0
-    lines = []
-    for dtype in DTYPES:
-        got = call(what, underflow_fraction, v.clone(), dtype)
-        try:
-            got = float(got)
-        except (TypeError, ValueError):
-            failed(what, f"return a number (a fraction between 0 and 1), got {type(got).__name__}")
-        lost = (nonzero & (v.to(dtype) == 0)).sum().item()
-        want = lost / nonzero.sum().item()
+    for dtype in _DTYPES:
+        got = _fraction(what, call(what, _watched(underflow_fraction, _EXERCISE1_LIBRARY), v.clone(), dtype))
+        want = _lost(v, dtype)
         if abs(got - want) > 1e-6:
-            fi = torch.finfo(dtype)
+            fi, name = torch.finfo(dtype), _name(dtype)
             below_normal = (nonzero & (v.abs() < fi.smallest_normal)).sum().item() / nonzero.sum().item()
-            name = str(dtype).replace("torch.", "")
             if abs(got - below_normal) < 1e-6:
                 failed(what, f"{name}: you counted every value below the smallest *normal* number "
                              f"({fi.smallest_normal:.3g}); subnormals down to {fi.smallest_normal * fi.eps:.3g} "
                              "survive with fewer digits: count only the values that become exactly 0")
-            if abs(got - lost / v.numel()) < 1e-6:
+            if abs(got - want * nonzero.sum().item() / v.numel()) < 1e-6:
                 failed(what, f"{name}: divide by the number of *nonzero* values: a value that was already 0 "
                              "did not underflow")
             if abs(got - (1 - want)) < 1e-6:
                 failed(what, f"{name}: that is the share that survives; the question is the share that is lost")
             failed(what, f"{name}: {figures('fraction lost', got, want)} (cast, then count the nonzero inputs "
                          "whose cast is 0)")
-        lines.append(f"{str(dtype).replace('torch.', '')} {got:.3f}")
-    passed(what, "share of values from 1e-46 to 1 that round to 0: " + ", ".join(lines) + " (measured by casting)")
+        lines.append(f"{_name(dtype)} {got:.3f}")
+    return "values from 1e-46 to 1 lost to underflow: " + ", ".join(lines)
 
 
-# ------------------------------------------------------------------ exercise 2a: unscale_
+def _swamping(swamped_fraction: Callable[..., Any]) -> str:
+    what = "what 16 bits lose (swamped_fraction)"
+    w, u = _weights_and_updates()
+    lines = []
+    for dtype in _DTYPES:
+        got = _fraction(what, call(what, _watched(swamped_fraction, _EXERCISE1_LIBRARY), w.clone(), u.clone(),
+                                   dtype))
+        want, rounded = _swamped(w, u, dtype), _swamped(w, u, dtype, stored=False)
+        if min(abs(got - want), abs(got - rounded)) > 1e-6:
+            name, nonzero = _name(dtype), u != 0
+            promoted = (nonzero & ((w.to(dtype) + u) == w.to(dtype))).sum().item() / nonzero.sum().item()
+            original = (nonzero & ((w.to(dtype) + u.to(dtype)) == w)).sum().item() / nonzero.sum().item()
+            if dtype != torch.float32 and abs(got - promoted) < 1e-6:
+                failed(what, f"{name}: your sum was computed in fp32 ({name} + fp32 gives fp32), so almost nothing "
+                             f"is lost: store the update in {name} too, so the addition happens in {name}")
+            if dtype != torch.float32 and abs(got - original) < 1e-6:
+                failed(what, f"{name}: compare the new weight with the weight as stored in {name} (its cast), not "
+                             "with the fp32 original, which the stored weight almost never equals")
+            if abs(got - want * nonzero.sum().item() / u.numel()) < 1e-6:
+                failed(what, f"{name}: divide by the number of *nonzero* updates: a zero update changes nothing, "
+                             "but it was not swamped")
+            if abs(got - (1 - want)) < 1e-6:
+                failed(what, f"{name}: that is the share of updates that move the weight; the question is the "
+                             "share that leaves it unchanged")
+            failed(what, f"{name}: {figures('fraction swamped', got, want)} (weights and updates stored in "
+                         f"{name}, added in {name}: how many sums equal the stored weight?)")
+        lines.append(f"{_name(dtype)} {got:.3f}")
+    return "updates from 1e-9 to 0.1 swamped by their weight: " + ", ".join(lines)
+
+
+def _watched(fn: Callable[..., Any], library: tuple) -> Callable[..., Any]:
+    """``fn`` run under the tripwire on ``library`` (torch's amp kernels included)."""
+    def watched_fn(*args: Any, **kwargs: Any) -> Any:
+        with _runs.wire(*library):
+            return fn(*args, **kwargs)
+    watched_fn.__name__ = getattr(fn, "__name__", "learner_code")
+    return watched_fn
+
+
+def lost_in_16_bits(underflow_fraction: Callable[..., Any], swamped_fraction: Callable[..., Any]) -> None:
+    """Exercise 1: ``underflow_fraction(values, dtype)`` and ``swamped_fraction(weights, updates, dtype)``."""
+    what = "what 16 bits lose"
+    for fn in (underflow_fraction, swamped_fraction):
+        refuse_library(what, fn, *_EXERCISE1_LIBRARY)
+    require_written(what, underflow_fraction, swamped_fraction)
+    detail = _underflow(underflow_fraction) + "; " + _swamping(swamped_fraction)
+    passed(what, detail + " (measured by casting)")
+
+
+# ------------------------------------------------------------------ exercise 2: a loss scaler
 def _grad_cases() -> list[tuple[str, list[torch.Tensor], float]]:
     g = torch.Generator().manual_seed(7)
     clean = [torch.randn(5, 3, generator=g) * 1000, torch.randn(7, generator=g) * 3]
@@ -92,67 +220,91 @@ def _grad_cases() -> list[tuple[str, list[torch.Tensor], float]]:
             ("a NaN", nan_first, 8.0), ("a -inf", neg_inf, 3.0)]
 
 
-def unscale(unscale_: Callable[[list[torch.Tensor], float], Any]) -> None:
-    """``unscale_(grads, scale)``: grads /= scale in place; return True if any value is inf or NaN."""
-    what = "unscale_"
-    require_written(what, unscale_)
-    forbid(what, unscale_, SCALER_LIBRARY, "it calls the library's or torch's unscale kernel: write the loop over "
-           "the gradients yourself", unscale_grads_)
-    for name, grads, scale in _grad_cases():
-        theirs = [t.clone() for t in grads]
-        torch_flag = torch.zeros(())
-        torch._amp_foreach_non_finite_check_and_unscale_(theirs, torch_flag, torch.tensor(1.0 / scale))
-        mine = [t.clone() for t in grads]
-        objects = list(mine)
-        got = call(what, unscale_, mine, scale)
-        if any(a is not b for a, b in zip(mine, objects)) or all(torch.equal(a, b) for a, b in zip(mine, grads)):
-            failed(what, f"{name}: the gradient tensors are unchanged; the optimizer reads p.grad, so change "
-                         "those tensors in place (an in-place multiply), do not build new ones")
-        finite = [torch.isfinite(t) for t in theirs]
-        for m, t, f in zip(mine, theirs, finite):
-            if not torch.allclose(m[f], t[f], rtol=1e-6, atol=0):
-                ratio = (m[f] / t[f]).median().item() if f.any() else float("nan")
-                hint = (f"they are {scale:g}x too large: each gradient holds S times the true value, divide by S"
-                        if math.isclose(ratio, scale * scale, rel_tol=1e-3) else
-                        f"they come out {ratio:.3g}x the true gradients: multiply by 1/S once")
-                failed(what, f"{name} (S = {scale:g}): {hint}")
-        if bool(got) != bool(torch_flag.item()):
-            if torch_flag.item():
-                kind = "NaN" if "NaN" in name else "inf"
-                failed(what, f"{name}: you returned {got!r} but there is a {kind}: check every value of every "
-                             "tensor for inf *and* NaN (torch.isfinite says both)")
-            failed(what, f"{name}: you reported an overflow in finite gradients (returned {got!r})")
-    passed(what, f"{len(_grad_cases())} gradient lists: divided by S in place, inf/NaN flags equal to torch's "
-                 "_amp_foreach_non_finite_check_and_unscale_")
-
-
-# ------------------------------------------------------------------ exercise 2b: update
-OVERFLOWS = [0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
-RULE = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+_OVERFLOWS = [0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+_RULE = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
 
 def _torch_update(scale: float, tracker: int, found: int) -> tuple[float, int]:
     s, t = torch.tensor(scale, dtype=torch.float32), torch.tensor(tracker, dtype=torch.int32)
-    torch._amp_update_scale_(s, t, torch.tensor(float(found)), RULE["growth_factor"], RULE["backoff_factor"],
-                             RULE["growth_interval"])
+    torch._amp_update_scale_(s, t, torch.tensor(float(found)), _RULE["growth_factor"], _RULE["backoff_factor"],
+                             _RULE["growth_interval"])
     return s.item(), int(t.item())
 
 
-def update(update_scale_fn: Callable[..., tuple[float, int]]) -> None:
-    """``update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)``."""
-    what = "update rule"
-    require_written(what, update_scale_fn)
-    forbid(what, update_scale_fn, SCALER_LIBRARY, "it calls the library's or torch's update: write the rule yourself",
-           update_scale)
+def _methods(what: str, LossScaler: Any) -> None:
+    refuse_library(what, LossScaler, *_runs.SCALER_LIBRARY)
+    if not isinstance(LossScaler, type):
+        failed(what, f"pass the class LossScaler itself (got {type(LossScaler).__name__})")
+    missing = [m for m in ("__init__", "unscale_", "update") if not callable(getattr(LossScaler, m, None))]
+    if missing:
+        failed(what, f"LossScaler needs the methods __init__, unscale_(grads) and update(found_inf); "
+                     f"{', '.join(missing)} is missing")
+    require_written(what, LossScaler.__init__, LossScaler.unscale_, LossScaler.update)
+
+
+def _state(what: str, scaler: Any) -> tuple[float, int]:
+    try:
+        return float(scaler.scale), int(scaler.tracker)
+    except AttributeError as err:
+        failed(what, f"keep the state in self.scale (S, a float) and self.tracker (the clean steps in a row): "
+                     f"{err}")
+    except (TypeError, ValueError):
+        failed(what, "self.scale must be a number and self.tracker a whole number")
+    raise AssertionError("unreachable")
+
+
+def _new_scaler(what: str, LossScaler: type, **kwargs: Any) -> Any:
+    return call(what, _watched(LossScaler, _runs.SCALER_LIBRARY), **kwargs)
+
+
+def _unscale(what: str, LossScaler: type) -> None:
+    for name, grads, scale in _grad_cases():
+        theirs = [t.clone() for t in grads]
+        torch_flag = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, torch_flag, torch.tensor(1.0 / scale))
+        scaler = _new_scaler(what, LossScaler, init_scale=scale)
+        if _state(what, scaler) != (scale, 0):
+            failed(what, f"LossScaler(init_scale={scale:g}) holds (scale, tracker) = {_state(what, scaler)}: a new "
+                         f"scaler starts at (init_scale, 0)")
+        mine = [t.clone() for t in grads]
+        objects = list(mine)
+        got = call(what, _watched(scaler.unscale_, _runs.SCALER_LIBRARY), mine)
+        if any(a is not b for a, b in zip(mine, objects)) or all(torch.equal(a, b) for a, b in zip(mine, grads)):
+            failed(what, f"unscale_, {name}: the gradient tensors are unchanged; the optimizer reads p.grad, so "
+                         "change those tensors in place (an in-place multiply), do not build new ones")
+        for m, t in zip(mine, theirs):
+            f = torch.isfinite(t)
+            if not torch.allclose(m[f], t[f], rtol=1e-6, atol=0):
+                ratio = (m[f] / t[f]).median().item() if f.any() else float("nan")
+                why = (f"they are {scale:g}x too large: each gradient holds S times the true value, divide by S"
+                       if math.isclose(ratio, scale * scale, rel_tol=1e-3) else
+                       f"they come out {ratio:.3g}x the true gradients: divide by S once")
+                failed(what, f"unscale_, {name} (S = {scale:g}): {why}")
+        if bool(got) != bool(torch_flag.item()):
+            if torch_flag.item():
+                kind = "NaN" if "NaN" in name else "inf"
+                failed(what, f"unscale_, {name}: you returned {got!r} but there is a {kind}: check every value of "
+                             "every tensor for inf *and* NaN (torch.isfinite says both)")
+            failed(what, f"unscale_, {name}: you reported an overflow in finite gradients (returned {got!r})")
+        if _state(what, scaler)[0] != scale:
+            failed(what, f"unscale_ changed the scale ({scale:g} -> {_state(what, scaler)[0]:g}): only update() "
+                         "moves it")
+
+
+def _update(what: str, LossScaler: type) -> float:
+    scaler = _new_scaler(what, LossScaler, init_scale=2.0**10, **_RULE)
+    update = _watched(scaler.update, _runs.SCALER_LIBRARY)
     scale, tracker = 2.0**10, 0
-    for i, found in enumerate(OVERFLOWS):
+    for i, found in enumerate(_OVERFLOWS):
         want = _torch_update(scale, tracker, found)
-        assert want == update_scale(scale, tracker, bool(found), **RULE), "library and torch disagree"
-        got = call(what, update_scale_fn, scale, tracker, bool(found), RULE["growth_factor"],
-                   RULE["backoff_factor"], RULE["growth_interval"])
-        if not (isinstance(got, tuple) and len(got) == 2):
-            failed(what, "return a pair (new scale, new count of clean steps in a row)")
-        got = (float(got[0]), int(got[1]))
+        assert want == _update_scale(scale, tracker, bool(found), **_RULE), "library and torch disagree"
+        try:                                               # every step from the right state: one mistake, one verdict
+            scaler.scale, scaler.tracker = scale, tracker
+        except AttributeError:
+            failed(what, "keep self.scale and self.tracker as plain attributes: the check sets them to replay "
+                         "each step from the right state")
+        call(what, update, bool(found))
+        got = _state(what, scaler)
         if got != want:
             event = "an overflow" if found else f"clean step {tracker + 1} in a row (growth_interval 3)"
             if found and got[0] == want[0]:
@@ -163,40 +315,45 @@ def update(update_scale_fn: Callable[..., tuple[float, int]]) -> None:
                 why = "the scale grows on the growth_interval-th clean step in a row, counting this step"
             elif want[0] == scale and got[0] > scale:
                 why = ("too early: grow only when the count, this step included, reaches growth_interval"
-                       if tracker + 1 < RULE["growth_interval"] else "after growing, the count starts again from 0")
+                       if tracker + 1 < _RULE["growth_interval"] else "after growing, the count starts again from 0")
             elif want[0] > scale and got[1] != 0:
                 why = "after growing, the count of clean steps starts again from 0"
             else:
                 why = "a clean step adds one to the count and keeps the scale until the count reaches growth_interval"
-            failed(what, f"step {i}, {event}, from (scale {scale:g}, count {tracker}): yours {got}, expected "
-                         f"{want}: {why}")
+            failed(what, f"update, step {i}, {event}, from (scale {scale:g}, count {tracker}): yours {got}, "
+                         f"expected {want}: {why}")
         scale, tracker = want
+    return scale
+
+
+def loss_scaler(LossScaler: type) -> None:
+    """Exercise 2: ``LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)`` with ``scale``,
+    ``tracker``, ``unscale_(grads) -> found_inf`` and ``update(found_inf)``, against torch's kernels."""
+    what = "loss scaler"
+    _methods(what, LossScaler)
+    _unscale(what, LossScaler)
+    final = _update(what, LossScaler)
     library = (2.0**10, 0)
-    for found in OVERFLOWS:
-        library = update_scale(*library, bool(found), **RULE)
-    passed(what, figures(f"{len(OVERFLOWS)} steps with {sum(OVERFLOWS)} overflows, final scale", scale, scale,
-                         library[0]) + " (torch's _amp_update_scale_ agreed at every step)")
-
-
-def scaler_rules(unscale_fn: Callable[[list[torch.Tensor], float], Any], update_scale_fn: Callable[..., Any]) -> None:
-    """Exercise 2: both rules of the scaler, each against torch's kernel (one verdict line each)."""
-    unscale(unscale_fn)
-    update(update_scale_fn)
+    for found in _OVERFLOWS:
+        library = _update_scale(*library, bool(found), **_RULE)
+    passed(what, f"{len(_grad_cases())} gradient lists unscaled in place with torch's inf/NaN flags; "
+           + figures(f"{len(_OVERFLOWS)} steps with {sum(_OVERFLOWS)} overflows, final scale", final, final,
+                     library[0]) + " (torch's _amp_update_scale_ agreed at every step)")
 
 
 # ------------------------------------------------------------------ exercise 3: fp16 training, rescued
-RESCUE_STEPS, RESCUE_BATCH, RESCUE_SEQ = 12, 8, 32
-SHRINK = 2.0**-16      # puts gpt-tiny's gradients where a large model's are (below fp16's range)
+_RESCUE_STEPS, _RESCUE_BATCH, _RESCUE_SEQ = 12, 8, 32
+_SHRINK = 2.0**-16      # puts gpt-tiny's gradients where a large model's are (below fp16's range)
 
 
 def _fp16_setup() -> tuple[torch.nn.Module, list[torch.Tensor], torch.optim.Optimizer]:
-    model16 = models.build_model("gpt-tiny", seed=0).half()
+    model16 = _models.build_model("gpt-tiny", seed=0).half()
     master = [p.detach().float().requires_grad_() for p in model16.parameters()]
     return model16, master, torch.optim.AdamW(master, lr=3e-3, eps=1e-16)
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return models.lm_loss(logits.float(), y) * SHRINK   # the loss in fp32, as autocast computes it
+    return _models.lm_loss(logits.float(), y) * _SHRINK   # the loss in fp32, as autocast computes it
 
 
 def _scales(scales: list[float]) -> list[str]:
@@ -208,13 +365,13 @@ def _reference_run(init_scale: float, scaled: bool = True) -> tuple[list[float],
     """The same loop with the library's rules: (losses, scales)."""
     model16, master, opt = _fp16_setup()
     scale, tracker, losses, scales = (init_scale if scaled else 1.0), 0, [], []
-    for step in range(RESCUE_STEPS):
-        x, y = data.get_batch(step, RESCUE_BATCH, RESCUE_SEQ)
+    for step in range(_RESCUE_STEPS):
+        x, y = _data.get_batch(step, _RESCUE_BATCH, _RESCUE_SEQ)
         loss = _loss(model16(x), y)
         (loss * scale).backward()
         for p16, p32 in zip(model16.parameters(), master):
             p32.grad, p16.grad = p16.grad.float(), None
-        found = bool(unscale_grads_([p.grad for p in master], torch.tensor(1.0 / scale)).item())
+        found = bool(_unscale_grads_([p.grad for p in master], torch.tensor(1.0 / scale)).item())
         if not found:
             opt.step()
         opt.zero_grad()
@@ -222,44 +379,49 @@ def _reference_run(init_scale: float, scaled: bool = True) -> tuple[list[float],
             for p16, p32 in zip(model16.parameters(), master):
                 p16.copy_(p32)
         if scaled:
-            scale, tracker = update_scale(scale, tracker, found, 2.0, 0.5, 4)
-        losses.append(loss.item() / SHRINK)
+            scale, tracker = _update_scale(scale, tracker, found, 2.0, 0.5, 4)
+        losses.append(loss.item() / _SHRINK)
         scales.append(scale)
     return losses, scales
 
 
 def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
-    """``fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> loss``, with the lab's ``LossScaler``."""
+    """Exercise 3: ``fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> loss``, with the lab's
+    ``LossScaler``: trains fp16 gpt-tiny from too large a scale like the loop built on the library's rules."""
     what = "fp16 training with loss scaling"
+    refuse_library(what, fp16_train_step, *_runs.STEP_LIBRARY)
+    refuse_library(what, LossScaler, *_runs.SCALER_LIBRARY)
     require_written(what, fp16_train_step)
-    forbid(what, fp16_train_step, (*SCALER_LIBRARY, "autocast", "FullyShardedDataParallel"),
-           "it uses {name}: write the step with your own scaler (scaler.scale, scaler.unscale_, scaler.update)")
     init_scale = 2.0**36   # too large at first: the first steps overflow, are skipped, and the scale backs off
-    scaler = call(what, LossScaler, init_scale=init_scale, growth_interval=4)
+    scaler = _new_scaler(what, LossScaler, init_scale=init_scale, growth_interval=4)
+    step_fn = _watched(fp16_train_step, _runs.STEP_LIBRARY)
     model16, master, opt = _fp16_setup()
     losses, scales = [], []
-    for step in range(RESCUE_STEPS):
+    for step in range(_RESCUE_STEPS):
         before16 = next(model16.parameters()).detach().clone()
-        got = call(what, fp16_train_step, model16, master, opt,
-                   data.get_batch(step, RESCUE_BATCH, RESCUE_SEQ), _loss, scaler)
-        losses.append(float(got) / SHRINK)
-        scales.append(float(scaler.scale))
+        got = call(what, step_fn, model16, master, opt, _data.get_batch(step, _RESCUE_BATCH, _RESCUE_SEQ), _loss,
+                   scaler)
+        try:
+            losses.append(float(got) / _SHRINK)
+        except (TypeError, ValueError):
+            failed(what, f"return the loss as a float (loss.item()), got {type(got).__name__}")
+        scales.append(_state(what, scaler)[0])
         if not all(torch.isfinite(p).all() for p in master):
             failed(what, f"step {step}: the fp32 master weights hold inf/NaN: when unscale_ finds an overflow, "
                          "skip optimizer.step() (and still update the scale)")
-        if step == RESCUE_STEPS - 1 and torch.equal(before16, next(model16.parameters()).detach()) \
+        if step == _RESCUE_STEPS - 1 and torch.equal(before16, next(model16.parameters()).detach()) \
                 and not torch.equal(before16, master[0].detach().half()):
             failed(what, "the fp16 model never changes: after the optimizer updates the fp32 master, copy the "
                          "master back into the fp16 parameters")
     want_losses, want_scales = _reference_run(init_scale)
     unscaled, _ = _reference_run(init_scale, scaled=False)
+    if scales == [init_scale] * _RESCUE_STEPS:
+        failed(what, "the scale never changed although the first steps overflow: call scaler.update(found_inf) "
+                     "once per step")
     if losses[0] - losses[-1] < 0.5 * (want_losses[0] - want_losses[-1]):
         failed(what, f"your loss barely falls ({losses[0]:.3f} -> {losses[-1]:.3f}; with scaling it reaches "
                      f"{want_losses[-1]:.3f}, fp16 without scaling {unscaled[-1]:.3f}): the gradients underflow in "
                      "fp16; multiply the loss by scaler.scale before backward")
-    if scales == [init_scale] * RESCUE_STEPS:
-        failed(what, "the scale never changed although the first steps overflow: call scaler.update(found_inf) "
-                     "once per step")
     if scales != want_scales:
         failed(what, f"scales {_scales(scales[:6])}... differ from the rule's {_scales(want_scales[:6])}...: one "
                      "unscale_ and one update per step, after backward")
@@ -267,23 +429,22 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
         failed(what, f"{figures('final loss', losses[-1], want_losses[-1])}: your losses differ from the same loop "
                      "built on the library's rules (one scaled backward, unscale, step unless overflow, copy back)")
     skipped = sum(1 for a, b in zip([init_scale] + scales, scales) if b < a)
-    passed(what, figures(f"{RESCUE_STEPS} steps ({skipped} skipped on overflow), final loss", losses[-1],
+    passed(what, figures(f"{_RESCUE_STEPS} steps ({skipped} skipped on overflow), final loss", losses[-1],
                          want_losses[-1]) + f"; fp16 without scaling {unscaled[-1]:.3f}")
 
 
-# ------------------------------------------------------------------ exercise 3b: every rank skips the same step
-def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> None:
-    """``sharded_scaler_step(shard, opt, scaler) -> found_inf`` on N ranks of FSDP, an inf on one rank's shard."""
+# ------------------------------------------------------------------ exercise 4a: every rank skips the same step
+def _sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> str:
     what = "every rank skips the same step"
+    refuse_library(what, sharded_scaler_step, *_runs.SCALER_LIBRARY)
+    refuse_library(what, LossScaler, *_runs.SCALER_LIBRARY)
     require_written(what, sharded_scaler_step)
-    forbid(what, sharded_scaler_step, ("GradScaler", "ShardedGradScaler", "unscale_grads_", "_sync_found_inf",
-                                       "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"),
-           "it uses the library's {name}: agree on the flag yourself (your scaler, one all-reduce)")
-    n = dist.lab_world_size(2)
-    yours, library = zip(*run(what, sharded_worker, n, sharded_scaler_step, LossScaler))
-    want = [not overflowing(step, n) for step in range(SHARDED_STEPS)]      # stepped?
-    for step in range(SHARDED_STEPS):
-        bad, did = overflowing(step, n), [res["stepped"][step] for res in yours]
+    n = check_world(2)
+    yours, library = zip(*run(what, _runs.sharded_worker, n, sharded_scaler_step, LossScaler))
+    steps = _runs.SHARDED_STEPS
+    want = [not _runs.overflowing(step, n) for step in range(steps)]      # stepped?
+    for step in range(steps):
+        bad, did = _runs.overflowing(step, n), [res["stepped"][step] for res in yours]
         if did == [want[step]] * n:
             continue
         if not bad:
@@ -312,31 +473,33 @@ def sharded_step(sharded_scaler_step: Callable[..., Any], LossScaler: type) -> N
     for r in range(n):
         diff = max((a - b).abs().max().item() for a, b in zip(yours[r]["shard"], library[r]["shard"]))
         if not diff == 0.0:
-            failed(what, f"rank {r}'s shard after {SHARDED_STEPS} steps differs from ShardedGradScaler's by {diff:.3g}"
+            failed(what, f"rank {r}'s shard after {steps} steps differs from ShardedGradScaler's by {diff:.3g}"
                          ": unscale the gradients (your scaler's unscale_) before opt.step()")
     skipped = lambda res: [i for i, s in enumerate(res["stepped"]) if not s]  # noqa: E731
-    passed(what, figures(f"{n} FSDP ranks, an overflow in rank {n - 1}'s shard at step 3, rank 0's at 7, every "
-                         "rank's at 8; steps skipped on every rank",
-                         skipped(yours[0]), [i for i, w in enumerate(want) if not w], skipped(library[0]))
-           + f"; final scale {yours[0]['scales'][-1]:g}, shards equal to ShardedGradScaler's")
+    return (figures(f"{n} FSDP ranks, an overflow in one rank's shard at step 3, another's at 7, every rank's at 8; "
+                    "steps skipped on every rank", skipped(yours[0]), [i for i, w in enumerate(want) if not w],
+                    skipped(library[0]))
+            + f", final scale {yours[0]['scales'][-1]:g}, shards equal to ShardedGradScaler's")
 
 
-# ------------------------------------------------------------------ exercise 4: the policy's bytes
+# ------------------------------------------------------------------ exercise 4b: the policy's bytes
 @functools.lru_cache(maxsize=None)
 def _measured_bytes() -> tuple:
     """The tracer's bytes of one FSDP step per policy, on 2 ranks (measured once per process)."""
-    return tuple(run("bytes per step by precision policy", fsdp_bytes, dist.lab_world_size(2), POLICIES)[0].items())
+    return tuple(run("bytes per step by precision policy", _runs.fsdp_bytes, check_world(2),
+                     _runs.POLICIES)[0].items())
 
 
-def policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]]) -> None:
-    """``predict(units, mp) -> {"all_gather": bytes, "reduce_scatter": bytes}`` for one FSDP step."""
+def _policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]]) -> str:
     what = "bytes per step by precision policy"
+    library = (*_runs.BYTES_LIBRARY, _measured_bytes, _runs.fsdp_bytes)
+    refuse_library(what, predict, *library)
     require_written(what, predict)
     measured = dict(_measured_bytes())
     units = measured.pop("units")
     lines = []
-    for name, mp in POLICIES.items():
-        got = call(what, predict, list(units), mp)
+    for name, mp in _runs.POLICIES.items():
+        got = call(what, _watched(predict, library), list(units), mp)
         if not isinstance(got, dict) or not {"all_gather", "reduce_scatter"} <= set(got):
             failed(what, "return a dict with the keys 'all_gather' and 'reduce_scatter' (bytes per step)")
         want = {op: sum(v for k, v in measured[name].items() if op in k) for op in ("all_gather", "reduce_scatter")}
@@ -353,5 +516,13 @@ def policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]]
                     why = "count each unit's elements once per gather (all-gather) or once (reduce-scatter)"
                 failed(what, f"{name}, {op}: {figures('bytes', int(got[op]), want[op])}: {why}")
         lines.append(f"{name} {want['all_gather']:,}+{want['reduce_scatter']:,} B")
-    passed(what, "yours = the tracer's count of a 2-rank FSDP step for every policy (all-gather+reduce-scatter): "
-                 + "; ".join(lines))
+    return ("bytes per step = the tracer's count of a 2-rank FSDP step for every policy (all-gather+reduce-scatter): "
+            + "; ".join(lines))
+
+
+def fsdp_precision(sharded_scaler_step: Callable[..., Any], policy_bytes: Callable[..., Any],
+                   LossScaler: type) -> None:
+    """Exercise 4: ``sharded_scaler_step(shard, opt, scaler) -> found_inf`` on 2 FSDP ranks with an inf in
+    one rank's shard, and ``policy_bytes(units, mp)`` against the tracer, under four policies."""
+    detail = _sharded_step(sharded_scaler_step, LossScaler) + ". " + _policy_bytes(policy_bytes)
+    passed("mixed precision under FSDP", detail)

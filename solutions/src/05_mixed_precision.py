@@ -4,40 +4,30 @@
 # %% [markdown]
 # # 05 - Mixed precision: 16-bit compute, 32-bit master weights, loss scaling
 #
-# Training in 16-bit numbers halves the bytes every parameter, gradient and
-# all-gather costs, and on GPUs runs matrix multiplies several times faster. The price
-# is range and precision: fp16 loses small gradients to **underflow**, bf16 keeps
-# fewer digits. The recipe that makes it work (Micikevicius et al. 2018) keeps an
-# **fp32 master copy** of the weights for the optimizer, computes forward and backward
-# in 16 bits, and, for fp16, **scales the loss** so gradients stay inside fp16's range.
+# 16-bit numbers halve the bytes of every parameter, gradient and all-gather; fp16 loses
+# small gradients to **underflow**, bf16 keeps fewer digits. The recipe (Micikevicius et
+# al. 2018): an **fp32 master copy** for the optimizer, 16-bit compute, and for fp16 a
+# **scaled loss**.
 #
-# **You will be able to**: say where fp16 and bf16 gradients underflow, measured on a
-# real model; tell what `torch.autocast` runs in which dtype, op by op; write a
-# gradient scaler's two rules (unscale and check, grow and back off) and rescue an fp16
-# training run with them; predict the bytes an FSDP step moves under a precision policy
-# and check it against the tracer.
+# **You will be able to**: measure what fp16 and bf16 lose; build a loss scaler that
+# rescues an fp16 run; make every FSDP rank skip the same overflowing step; predict an FSDP
+# step's bytes under a precision policy.
 #
-# **Prerequisites**: lab 00 (collectives, `launch`, the tracer), lab 01 (memory by
-# category), lab 04 (FSDP units, all-gather and reduce-scatter).
-# **Time**: about 60 minutes of work; the cells compute for about a minute on a laptop
-# (CPU, 2 `gloo` ranks), less on GPUs.
+# **Prerequisites**: lab 04 (FSDP: exercise 4 runs on it).
+# **Time**: 60 minutes; 10-25 s of compute on a laptop (2 CPU ranks), about as long on
+# GPUs (each launch starts CUDA).
 #
-# **Exercises**: 1. what underflows · 2. the scaler's two rules (`unscale_`, the update) ·
-# 3. a loss scaler and an fp16 training step with an fp32 master copy, 3b. every rank skips
-# the same step (the sharded scaler's agreement) · 4. bytes per step by policy.
-#
-# **Symbols**: Ψ = the number of parameters; bytes are written 2Ψ (16-bit) and 4Ψ
-# (fp32). S = the loss scale. N = the world size.
+# **Exercises**: 1. what 16 bits lose · 2. a loss scaler · 3. an fp16 step on an fp32
+# master copy · 4. mixed precision under FSDP.
 
 # %%
 import time
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import comm, data, dist, launch, memory, models, trace
+from minifsdp import comm, data, dist, launch, memory, models, plot, trace
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import MixedPrecision, ModuleWrapPolicy
 from minifsdp.labcheck import lab05 as check
@@ -46,7 +36,7 @@ from minifsdp.mixed_precision import format_info, format_table
 torch.set_num_threads(1)  # small models: one thread is as fast, and robust when processes share cores
 notebook_start = time.perf_counter()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-N2 = dist.lab_world_size(2)
+RANKS = 2   # the FSDP lessons need 2 ranks: with fewer GPUs, launch runs CPU ranks and says so
 
 # %% [markdown]
 # ## 1. Three number formats
@@ -55,24 +45,31 @@ N2 = dist.lab_world_size(2)
 # **range**, the mantissa bits the **precision** (eps = the gap between 1 and the next
 # number). Below the smallest *normal* number come the *subnormals*, with ever fewer
 # digits, down to the smallest subnormal; anything smaller rounds to **0**.
+#
+# **Symbols**: Ψ = the number of parameters (elements); bytes are k·Ψ with k the bytes per
+# element: 4Ψ in fp32, 2Ψ in bf16 or fp16. S = the loss scale; N = the world size.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(format_table())
 
 # %% [markdown]
-# bf16 has fp32's 8 exponent bits (same range, ~3 decimal digits fewer); fp16 has 5
-# (range 6e-8 to 65504, one more digit than bf16). Where do a real model's gradients
-# fall? One backward of `gpt-tiny` in fp32 on a batch of text:
+# bf16 keeps fp32's 8 exponent bits (the same range) but only 8 significant bits (7 stored,
+# 1 implicit) to fp32's 24: about 4.8 decimal digits fewer (16 bits × log10 2). fp16 has 5
+# exponent bits (range 6e-8 to 65504) and 11 significant bits, about one digit more than
+# bf16. Where do a real model's gradients fall? One backward of `gpt-tiny` in fp32 on a
+# batch of text:
 
 # %%
+# FIGURE
 model = models.build_model("gpt-tiny", seed=0)
 x, y = data.get_batch(0, 8, 32)
 models.lm_loss(model(x), y).backward()
 grads = torch.cat([p.grad.flatten() for p in model.parameters()])
 SHRINK = 2.0**-16   # see the figure: moves gpt-tiny's gradients to where a large model's live
 
-fig, ax = plt.subplots(figsize=(9, 3.6))
+fig = plot.Figure(figsize=(9, 3.6))   # a plot.Figure shows once, as the cell's last expression
+ax = fig.add_subplot()
 for i, dt in enumerate(DTYPES):
     f = format_info(dt)
     lo, mid, hi = np.log2([f["tiny"], f["smallest_normal"], f["max"]])
@@ -96,36 +93,75 @@ fig
 # same gradients × 2^-16, where the activation gradients of large networks sit,
 # Micikevicius et al. 2018, fig. 3) falls off its end.
 #
-# ### Exercise 1: what underflows
+# ### Exercise 1: what 16 bits lose
 #
-# Write `underflow_fraction(values, dtype)`: the share of the **nonzero** `values`
-# that become exactly 0 when stored in `dtype`. Subnormals are not lost: only what rounds
-# to zero is. The check compares your number with a measurement on values from 1e-46
-# to 1 in all three formats.
+# Two losses, each measured by casting. **Range**: a value *underflows* when it is nonzero
+# and becomes exactly 0 in `dtype` (subnormals survive, with fewer digits). **Precision**:
+# an update is *swamped* when adding it to a weight stored in `dtype` leaves that weight
+# unchanged: the update is below half the gap between the weight and its neighbour.
+
+# %% [markdown]
+# Goal, two functions returning a fraction between 0 and 1:
+#
+# * `underflow_fraction(values, dtype)`: the share of the nonzero `values` that become 0 in
+#   `dtype`;
+# * `swamped_fraction(weights, updates, dtype)`: the share of the nonzero `updates` that
+#   leave their weight (same position) unchanged when both are stored in `dtype` and added.
+#
+# Target: the check measures both on values from 1e-46 to 1 and on updates from 1e-9 to 0.1,
+# in fp16, bf16 and fp32, and wants your fractions exactly.
+#
+# Stuck? `check.hint("underflow_fraction")` (or any exercise's name) prints the next hint,
+# one at a time: the idea first, never the code.
 
 # %%
 def underflow_fraction(values: torch.Tensor, dtype: torch.dtype) -> float:
     """Share of the nonzero values that round to 0 in dtype."""
     # BEGIN SOLUTION
-    # HINT: cast, then compare: a value underflows when it was nonzero and its cast is zero.
+    # HINT: the share of nonzero values whose cast is 0; check.hint('underflow_fraction')
     nonzero = values != 0
     lost = nonzero & (values.to(dtype) == 0)
     return lost.sum().item() / nonzero.sum().item()
     # END SOLUTION
 
 
+def swamped_fraction(weights: torch.Tensor, updates: torch.Tensor, dtype: torch.dtype) -> float:
+    """Share of the nonzero updates that leave their weight unchanged, both stored and added in dtype."""
+    # BEGIN SOLUTION
+    # HINT: the share of nonzero updates lost when added in dtype; check.hint('swamped_fraction')
+    stored = weights.to(dtype)
+    unchanged = (stored + updates.to(dtype)) == stored
+    nonzero = updates != 0
+    return (nonzero & unchanged).sum().item() / nonzero.sum().item()
+    # END SOLUTION
+
+
 # %%
-# CHECK: the share of values that round to 0, against casting real values in fp16, bf16, fp32
-check.underflow(underflow_fraction)
+# CHECK: the shares lost to underflow and to swamping, against casting real values in fp16, bf16, fp32
+check.lost_in_16_bits(underflow_fraction, swamped_fraction)
 
 # %% [markdown]
-# Your function on gpt-tiny's gradients, as they are and shifted down:
+# Your functions on gpt-tiny: its gradients as they are and shifted down, then one optimizer
+# step's updates (lr × a step of size ~1, as Adam's normalised step is) added to its weights.
 
 # %%
 print(f"{'gradients x':>12}" + "".join(f"{str(d).replace('torch.', ''):>10}" for d in DTYPES))
 for k in (0, 8, 16, 20):
     shifted = grads * 2.0**-k
     print(f"{'2^-' + str(k):>12}" + "".join(f"{underflow_fraction(shifted, d):>10.1%}" for d in DTYPES))
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+unit_step = torch.randn(weights.shape, generator=torch.Generator().manual_seed(0))
+print(f"\n{'update, lr':>12}" + "".join(f"{str(d).replace('torch.', ''):>10}" for d in DTYPES))
+for lr in (1e-3, 1e-4, 1e-5):
+    print(f"{lr:>12g}" + "".join(f"{swamped_fraction(weights, lr * unit_step, d):>10.1%}" for d in DTYPES))
+
+# %% [markdown]
+# Takeaway: fp16 loses gradients to underflow once they sit a few powers of two lower; bf16
+# loses none. But bf16 loses *updates*: at lr 1e-4 about a fifth of them vanish into
+# gpt-tiny's weights, at lr 1e-5 nearly nine in ten (fp16, with 3 more bits, about a
+# quarter); fp32 loses none. A model stored in 16 bits stops learning as its learning rate
+# decays. Hence the recipe's fp32 master copy: the optimizer adds updates in fp32, and only
+# the copy that computes forward and backward is 16-bit.
 
 # %% [markdown]
 # ## 2. What autocast does, op by op
@@ -174,111 +210,102 @@ for op in by_autocast.ops:
 # inputs autocast casts for them (`_to_copy`), while layer norm and the loss
 # (`log_softmax`, `nll_loss`) run in fp32, and the residual `add` of a bf16 and an fp32
 # tensor is fp32. With cast parameters everything is bf16. (CPU autocast leaves the
-# attention softmax in bf16; CUDA autocast computes softmax in fp32.) Autocast is safer
-# numerically but moves no fewer bytes: the weights
-# (and FSDP's all-gathers of them) stay fp32. On CUDA, autocast's fp16 or bf16 also makes
-# matmuls use tensor cores; on a CPU without bf16 instructions, bf16 can be *slower*.
-# The two compose: FSDP with `param_dtype=torch.bfloat16`, inside an autocast region.
+# attention softmax in bf16; CUDA autocast computes softmax in fp32.)
 #
+# Autocast is safer numerically but moves no fewer bytes: the weights, and FSDP's
+# all-gathers of them, stay fp32 (k = 4). On CUDA, fp16 or bf16 matmuls use tensor cores;
+# on a CPU without bf16 instructions, bf16 can be *slower*. The two compose: FSDP with
+# `param_dtype=torch.bfloat16`, inside an autocast region.
+
+# %% [markdown]
 # ## 3. Loss scaling
 #
 # Multiply the loss by S before backward: by the chain rule every gradient is S times
 # larger and climbs back into fp16's range. Before the optimizer step, divide by S in fp32
-# (**unscale**) and check for inf/NaN: if S was too large some gradient overflowed, so
-# **skip** the step and halve S (**back off**); after `growth_interval` clean steps in a row
-# try doubling S (**grow**). That is `torch.amp.GradScaler`, and
-# `minifsdp.mixed_precision.GradScaler` / `ShardedGradScaler` (which, for FSDP, agrees on the
-# overflow across ranks with one all-reduce).
+# (**unscale**) and look for inf/NaN: if S was too large some gradient overflowed, so that
+# step is **skipped** and S shrinks (**back off**); after a long enough run of clean steps
+# S may **grow** again. That is `torch.amp.GradScaler` (and minifsdp's `GradScaler`): you
+# build your own, and the checks refuse theirs.
 #
-# ### Exercise 2: the scaler's two rules
+# ### Exercise 2: a loss scaler
 #
-# Write `unscale_(grads, scale)`: divide every gradient by `scale` **in place** (the
-# optimizer reads those tensors) and return `True` if any value of any gradient is inf or
-# NaN.
-#
-# Write `update_scale(scale, tracker, found_inf, growth_factor, backoff_factor,
-# growth_interval)` returning the next `(scale, tracker)`, where `tracker` counts clean
-# steps in a row. An overflow multiplies the scale by `backoff_factor` and restarts the
-# count. A clean step adds one to the count; when the count reaches `growth_interval` the
-# scale is multiplied by `growth_factor` and the count restarts.
-#
-# The check compares both with torch's own kernels (`_amp_foreach_non_finite_check_and_unscale_`,
-# `_amp_update_scale_`), the second over a sequence of overflows and clean runs.
-
-# %%
-def unscale_(grads: list[torch.Tensor], scale: float) -> bool:
-    """grads /= scale, in place; True if any gradient holds an inf or a NaN."""
-    # BEGIN SOLUTION
-    # HINT: multiply each tensor in place by the reciprocal; torch.isfinite is False for inf and NaN.
-    found_inf = False
-    for g in grads:
-        found_inf = found_inf or not bool(torch.isfinite(g).all())
-        g.mul_(1.0 / scale)
-    return found_inf
-    # END SOLUTION
-
-
-def update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float,
-                 growth_interval: int) -> tuple[float, int]:
-    """The scale and count of clean steps after one step."""
-    # BEGIN SOLUTION
-    # HINT: two cases (overflow or clean); in the clean case, count first, then compare with the interval.
-    if found_inf:
-        return scale * backoff_factor, 0
-    tracker += 1
-    if tracker == growth_interval:
-        return scale * growth_factor, 0
-    return scale, tracker
-    # END SOLUTION
-
-
-# %%
-# CHECK: gradients divided by S in place with inf/NaN found, and the update rule step by step, against torch
-check.scaler_rules(unscale_, update_scale)
+# Goal: `LossScaler`, whose scale follows torch's `GradScaler` step for step: it shrinks by
+# `backoff_factor` at an overflow and grows by `growth_factor` after `growth_interval` clean
+# steps in a row.
 
 # %% [markdown]
-# ### Exercise 3: a loss scaler and an fp16 step with an fp32 master copy
+# Contract: a scaler keeps `self.scale` (S, a float) and `self.tracker` (the clean steps in
+# a row, 0 at the start). `unscale_(grads)` divides every gradient by S **in place** (the
+# optimizer reads those very tensors) and returns `True` if any value is inf or NaN;
+# `update(found_inf)` moves the state on by one step.
 #
-# First the scaler's state: `LossScaler` keeps the current `scale`, the count of clean
-# steps and the rule's three constants; its `unscale_(grads)` and `update(found_inf)`
-# apply your two rules to that state.
-#
-# Then one training step. `model16` is gpt-tiny in fp16; `master` holds an fp32 copy of its
-# parameters (same order) and `opt` steps `master`. The fp16 forward and the loss
-# (`loss_fn(logits, y)`, computed in fp32 as autocast would), backward of the **scaled**
-# loss, the fp16 gradients moved to the master's `.grad` in fp32, unscale and check,
-# the optimizer step **only if** nothing overflowed, the master copied back into
-# `model16`, and the scale updated. Return the loss (unscaled) as a float.
+# Target: four gradient lists (finite, an inf, a NaN, a -inf) against torch's kernel
+# `_amp_foreach_non_finite_check_and_unscale_`, and 22 steps with 4 overflows
+# (`growth_interval` 3) against torch's `_amp_update_scale_`: the same state after every step.
 
 # %%
 class LossScaler:
-    """A dynamic loss scaler built on unscale_ and update_scale (exercise 2)."""
+    """A dynamic loss scaler: the scale S, the clean steps in a row, and the rule's three constants."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         # BEGIN SOLUTION
-        # HINT: the state is the current scale and the clean-step count; the rule's constants go with it.
-        self.scale, self.tracker = init_scale, 0
-        self.rule = (growth_factor, backoff_factor, growth_interval)
+        # HINT: keep self.scale, self.tracker and the rule's constants; check.hint('LossScaler')
+        self.scale, self.tracker = float(init_scale), 0
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
         # END SOLUTION
 
     def unscale_(self, grads: list[torch.Tensor]) -> bool:
+        """grads /= S, in place; True if any gradient holds an inf or a NaN."""
         # BEGIN SOLUTION
-        # HINT: your first rule, with the current scale.
-        return unscale_(grads, self.scale)
+        # HINT: divide each gradient in place and report any inf/NaN; check.hint('LossScaler')
+        found_inf = False
+        for g in grads:
+            found_inf = found_inf or not bool(torch.isfinite(g).all())
+            g.mul_(1.0 / self.scale)
+        return found_inf
         # END SOLUTION
 
     def update(self, found_inf: bool) -> None:
+        """The scale and the count of clean steps after a step that did or did not overflow."""
         # BEGIN SOLUTION
-        # HINT: your second rule: it gives the new state.
-        self.scale, self.tracker = update_scale(self.scale, self.tracker, found_inf, *self.rule)
+        # HINT: back off on an overflow, grow after a clean run; check.hint('LossScaler')
+        if found_inf:
+            self.scale, self.tracker = self.scale * self.backoff_factor, 0
+            return
+        self.tracker += 1
+        if self.tracker == self.growth_interval:
+            self.scale, self.tracker = self.scale * self.growth_factor, 0
         # END SOLUTION
 
 
+# %%
+# CHECK: your scaler's unscale_ and update against torch's kernels, step by step
+check.loss_scaler(LossScaler)
+
+# %% [markdown]
+# ### Exercise 3: an fp16 step on an fp32 master copy
+#
+# Goal: one training step of an fp16 model whose optimizer owns fp32 copies of the weights,
+# guarded by your scaler: small gradients survive the fp16 backward, the optimizer sees the
+# true gradients in fp32 and never an inf, and the fp16 model ends the step holding the
+# master's new values.
+#
+# Contract: `fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> float`.
+# `master` holds fp32 copies of `model16`'s parameters (same order) and `opt` steps them;
+# `loss_fn(logits, y)` computes the loss in fp32 (as autocast would); `scaler` is a
+# `LossScaler`. Return the loss, unscaled, as a float.
+#
+# Target: 12 steps of gpt-tiny from S = 2^36 (too large: the first steps overflow): the same
+# losses (within 1e-3) and scales as the loop built on torch's rules, and a loss that falls
+# where fp16 without scaling stalls.
+
+# %%
 def fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> float:
     """One mixed-precision step; returns the loss."""
     x, y = batch
     # BEGIN SOLUTION
-    # HINT: scaled backward; p32.grad = fp32 copy of p16.grad; unscale_; step unless overflow; copy back; update.
+    # HINT: a scaled fp16 backward, an fp32 master step unless overflow; check.hint('fp16_train_step')
     loss = loss_fn(model16(x), y)
     (loss * scaler.scale).backward()
     for p16, p32 in zip(model16.parameters(), master):
@@ -296,7 +323,7 @@ def fp16_train_step(model16, master, opt, batch, loss_fn, scaler) -> float:
 
 
 # %%
-# CHECK: fp16 with your scaler trains gpt-tiny like the library's rules, skipping overflow steps
+# CHECK: fp16 with your scaler trains gpt-tiny like torch's rules, skipping the steps that overflow
 check.rescue(fp16_train_step, LossScaler)
 
 # %% [markdown]
@@ -307,6 +334,7 @@ check.rescue(fp16_train_step, LossScaler)
 # your scaler.
 
 # %%
+# FIGURE
 def run(dtype, scaler, steps=16):
     model16 = models.build_model("gpt-tiny", seed=0).to(dtype)
     master = [p.detach().float().requires_grad_() for p in model16.parameters()]
@@ -323,15 +351,17 @@ def run(dtype, scaler, steps=16):
 runs = {"fp32": run(torch.float32, LossScaler(init_scale=1.0, growth_interval=10**9)),
         "fp16, no scaling": run(torch.float16, LossScaler(init_scale=1.0, growth_interval=10**9)),
         "fp16, your scaler": run(torch.float16, LossScaler(init_scale=2.0**16, growth_interval=5))}
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+fig = plot.Figure(figsize=(10, 3.4))
+ax1, ax2 = fig.subplots(1, 2)
 for name, (losses, scales) in runs.items():
-    ax1.plot(losses, label=name)
-    ax2.semilogy(scales, label=name)
+    wide = dict(linewidth=4, alpha=0.4) if name == "fp32" else {}   # fp32 is wide: the fp16 scaler's line lies on it
+    ax1.plot(losses, label=name, **wide)
+    ax2.semilogy(scales, label=name, **wide)
 ax1.set_xlabel("step")
-ax1.set_ylabel("training loss")
+ax1.set_ylabel("training loss (cross-entropy, nats)")
 ax1.legend(fontsize=8)
 ax2.set_xlabel("step")
-ax2.set_ylabel("loss scale S")
+ax2.set_ylabel("loss scale S (multiplier)")
 print({k: round(v[0][-1], 3) for k, v in runs.items()})
 fig
 
@@ -340,34 +370,53 @@ fig
 # with your scaler the fp16 curve lies on the fp32 one (the printed final losses), and
 # the scale grows every 5 clean steps. A run that starts with S too large loses its first
 # steps to overflow and backs off (the check started at 2^36 and printed how many it skipped).
+
+# %% [markdown]
+# ## 4. Mixed precision under FSDP
 #
-# ### Exercise 3b: every rank skips the same step
+# Under FSDP (lab 04) the optimizer of rank r steps only rank r's **shard**, with the
+# reduce-scattered gradients of that shard; a precision policy says which dtype each
+# collective runs in. `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`: the fp32
+# shard is cast to `param_dtype` **before** the all-gather, gradients are reduce-scattered
+# in `reduce_dtype` (`None` means "same as `param_dtype`"; no policy at all means fp32
+# throughout), then cast back to fp32 for the optimizer: the shards are the master copy.
 #
-# Under FSDP (lab 04) or ZeRO-2 (lab 03) the optimizer of rank r steps only rank r's
-# **shard**, with the reduce-scattered gradients of that shard. An overflow lands in some
-# shards and not others: your `unscale_` on rank 0 sees only rank 0's part. If each rank
-# decided alone, the rank that saw the inf would skip while the others step, and their
-# scales would drift apart from then on: different parameters, different scales, one
-# model no more. So the ranks first **agree**: a step is skipped when *any* rank found an
-# overflow.
+# ### Exercise 4: every rank skips the same step, and the bytes a policy moves
 #
-# Write `sharded_scaler_step(shard, opt, scaler)`: `shard` is this rank's list of shard
-# parameters (their `.grad` hold the scaled gradients), `opt` steps them, `scaler` is your
-# `LossScaler`. Unscale and check this rank's gradients, make the flag every rank's with
-# one collective (`comm.all_reduce(tensor, op=comm.ReduceOp.…)`, on a tensor on
-# `dist.device()`), step only if no rank overflowed, update the scale with the agreed flag,
-# and return it. The loop around it (forward, scaled backward, `zero_grad`) is given.
+# An overflow lands in some shards and not others: `unscale_` on rank 0 sees only rank 0's
+# part. If each rank decided alone, the rank that saw the inf would skip while the others
+# step, and their scales would drift apart: different parameters, different scales, one
+# model no more.
+
+# %% [markdown]
+# Goal, part a: `sharded_scaler_step(shard, opt, scaler) -> bool`. `shard` is this rank's
+# list of shard parameters (their `.grad` hold the scaled gradients), `opt` steps them,
+# `scaler` is your `LossScaler`. Every rank skips the step when *any* rank found an
+# overflow, updates its scale with that agreed flag, and returns it. The loop around it is
+# given; a tensor handed to a collective lives on `dist.device()`.
 #
-# The check runs your step on 2 ranks of FSDP for 10 steps and writes an inf into the last
-# rank's shard at step 3, a NaN into rank 0's at step 7 and an inf into every shard at step 8.
-# Target: every rank skips exactly those three steps, holds the same scale, and ends with the
-# shards of the library's `ShardedGradScaler` run in the same loop.
+# Target: 10 steps on 2 FSDP ranks, an inf in the last rank's shard at step 3, a NaN in
+# rank 0's at step 7, an inf in every shard at step 8: every rank skips exactly those three
+# steps, and ends with the same scale and the same shards as the library's `ShardedGradScaler`.
+
+# %% [markdown]
+# Goal, part b: `policy_bytes(units, mp) -> {"all_gather": bytes, "reduce_scatter": bytes}`
+# for one FULL_SHARD step, in lab 00's convention (the full tensor's bytes per call). `units`
+# lists each FSDP unit as `(padded numel, all-gathers per step)` (the root is gathered once,
+# the blocks twice, lab 04), each unit's gradient is reduce-scattered once, and `mp` is a
+# `MixedPrecision` or `None`.
+#
+# In Ψ terms, with k bytes per element: a step gathers up to 2·kΨ bytes and reduce-scatters
+# kΨ, up to 3·4Ψ in fp32, and a policy sets k for each collective. gpt-tiny has Ψ = 42,880
+# parameters: in fp32 its reduce-scatter moves 4Ψ = 171,520 B.
+#
+# Target: the tracer's count of a real 2-rank FSDP step under four policies, to the byte.
 
 # %%
 def sharded_scaler_step(shard: list[torch.Tensor], opt, scaler) -> bool:
-    """Unscale this rank's shard, agree on found_inf with every rank, step unless any overflowed, update."""
+    """True if any rank's shard overflowed: then every rank skips this step. Every rank's scale moves alike."""
     # BEGIN SOLUTION
-    # HINT: your scaler finds this rank's overflow; a one-element tensor and the reduce op that means "any" make it every rank's.
+    # HINT: skip on every rank when any rank overflowed; check.hint('sharded_scaler_step')
     mine = scaler.unscale_([p.grad for p in shard])
     flag = torch.tensor([float(mine)], device=dist.device())
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)  # 1 if any rank's shard overflowed
@@ -379,9 +428,20 @@ def sharded_scaler_step(shard: list[torch.Tensor], opt, scaler) -> bool:
     # END SOLUTION
 
 
+def policy_bytes(units: list[tuple[int, int]], mp) -> dict[str, int]:
+    """Bytes all-gathered and reduce-scattered in one FSDP step under policy mp."""
+    # BEGIN SOLUTION
+    # HINT: elements x bytes per element of each collective's dtype; check.hint('policy_bytes')
+    param = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
+    reduce = mp.reduce_dtype if mp is not None and mp.reduce_dtype is not None else param
+    return {"all_gather": sum(numel * gathers for numel, gathers in units) * param.itemsize,
+            "reduce_scatter": sum(numel for numel, _ in units) * reduce.itemsize}
+    # END SOLUTION
+
+
 # %%
-# CHECK: on FSDP ranks with an inf in one rank's shard, every rank skips the same steps, like ShardedGradScaler
-check.sharded_step(sharded_scaler_step, LossScaler)
+# CHECK: on 2 FSDP ranks every rank skips the steps one shard overflowed, like ShardedGradScaler; bytes = tracer's
+check.fsdp_precision(sharded_scaler_step, policy_bytes, LossScaler)
 
 # %% [markdown]
 # Your step on 2 ranks, one step, an inf written into the last rank's shard only: what each
@@ -403,7 +463,7 @@ def one_overflow_step():
 
 
 print(f"{'rank':>4} {'own shard overflowed':>21} {'returned found_inf':>19} {'stepped':>8} {'scale':>6}")
-for rank, (own, found, stepped, scale) in enumerate(launch(one_overflow_step, N2, timeout=60)):
+for rank, (own, found, stepped, scale) in enumerate(launch(one_overflow_step, RANKS, timeout=60)):
     print(f"{rank:>4} {str(own):>21} {str(found):>19} {str(stepped):>8} {scale:>6g}")
 
 # %% [markdown]
@@ -411,45 +471,12 @@ for rank, (own, found, stepped, scale) in enumerate(launch(one_overflow_step, N2
 # overflowed: one all-reduce of one number per step keeps the ranks one model. That is
 # what `ShardedGradScaler` adds to `GradScaler` (torch's and minifsdp's).
 #
-# ## 4. The FSDP precision policy: bytes and memory
-#
-# `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)` tells FSDP which dtype each
-# step runs in: the fp32 shard is cast to `param_dtype` **before** the all-gather,
-# gradients are reduce-scattered in `reduce_dtype` (`None` means "same as `param_dtype`"),
-# then cast back to fp32 for the optimizer (unless `keep_low_precision_grads`).
-#
-# ### Exercise 4: bytes per step
-#
-# `units` lists each FSDP unit as `(padded numel, all-gathers per step)` (the root unit is
-# gathered once, the blocks twice under FULL_SHARD, lab 04). Write `policy_bytes(units, mp)`
-# returning `{"all_gather": bytes, "reduce_scatter": bytes}` for one step, in the
-# collective-volume convention of lab 00 (the full tensor's bytes per call); `mp` is a
-# `MixedPrecision` or `None` (all fp32). Each unit's gradient is reduce-scattered once.
-# The check compares with the tracer on a 2-rank FSDP step under four policies.
-
-# %%
-def policy_bytes(units: list[tuple[int, int]], mp) -> dict[str, int]:
-    """Bytes all-gathered and reduce-scattered in one FSDP step under policy mp."""
-    # BEGIN SOLUTION
-    # HINT: element size of the dtype each collective runs in; mind the defaults (None).
-    param = mp.param_dtype if mp is not None and mp.param_dtype is not None else torch.float32
-    reduce = mp.reduce_dtype if mp is not None and mp.reduce_dtype is not None else param
-    size = lambda dtype: torch.tensor([], dtype=dtype).element_size()  # noqa: E731
-    return {"all_gather": sum(numel * gathers for numel, gathers in units) * size(param),
-            "reduce_scatter": sum(numel for numel, _ in units) * size(reduce)}
-    # END SOLUTION
-
-
-# %%
-# CHECK: your bytes equal the tracer's count of a real FSDP step, for four policies
-check.policy_bytes(policy_bytes)
-
-# %% [markdown]
 # What the policy does to memory: the same step measured by `MemoryTracker` (lab 01) on
 # each rank, with a unit per `Block`. The unsharded parameters and gradients are the
 # units being computed; the shards and the optimizer state stay fp32 (the master copy).
 
 # %%
+# FIGURE
 POLICIES = {"fp32": None, "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16),
             "bf16, fp32 reduce": MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16)}
 
@@ -472,38 +499,43 @@ def measure(policies):
     return out
 
 
-measured = launch(measure, N2, POLICIES, timeout=120)[0]
+measured = launch(measure, RANKS, POLICIES, timeout=120)[0]
 print(f"{'policy':<20}{'all-gather B':>14}{'reduce-scatter B':>18}{'peak KiB':>10}")
 for name, m in measured.items():
     print(f"{name:<20}{m['bytes'].get('all_gather', 0):>14,}{m['bytes'].get('reduce_scatter', 0):>18,}"
           f"{m['peak'] / 1024:>10.0f}")
-cats = sorted({c for m in measured.values() for c in m["by_category"]})
-fig, ax = plt.subplots(figsize=(8, 2.8))
+cats = sorted({c for m in measured.values() for c, b in m["by_category"].items() if b > 0})   # live at the peak
+fig = plot.Figure(figsize=(8, 2.8))
+ax = fig.add_subplot()
 left = np.zeros(len(measured))
 for i, c in enumerate(cats):
     widths = np.array([m["by_category"].get(c, 0) / 1024 for m in measured.values()])
     ax.barh(list(measured), widths, left=left, label=c, color=f"C{i}")
     left += widths
 ax.set_xlabel("live memory at the peak of one step, rank 0 (KiB)")
-ax.legend(fontsize=7, ncol=3, loc="lower right")
+ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 fig
 
 # %% [markdown]
 # Takeaway: bf16 halves the all-gather bytes exactly, and the reduce-scatter too unless
-# `reduce_dtype=torch.float32`; the unsharded parameters and gradients at the peak take
-# half the memory, while the fp32 shards and AdamW's state do not shrink: on gpt-tiny the
-# fixed part dominates, on a billion-parameter model the unsharded units and activations do.
-#
+# `reduce_dtype=torch.float32` (bytes, not peak memory). At the peak, the start of backward,
+# the bf16 policy halves the gathered parameters (68 to 34 KiB) and cuts the saved
+# activations from about 740 to 435 KiB (the logits go to fp32 for the loss); the fp32
+# shards, the master copy, do not shrink. Gradients and AdamW's state come later, below
+# this peak.
+
+# %% [markdown]
 # ## What you have seen
 #
 # * fp16 has 5 exponent bits: gradients below 2^-24 become 0. bf16 has fp32's range and
-#   needs no scaling; its cost is precision (8 significant bits).
+#   needs no scaling; its cost is precision (8 significant bits): small updates vanish into
+#   16-bit weights, so the optimizer steps an fp32 master copy.
 # * Autocast picks a dtype per op (matmuls in 16 bits, softmax and norms in fp32);
-#   parameter casting runs everything in 16 bits and halves FSDP's bytes.
+#   parameter casting runs everything in 16 bits and halves k, so FSDP's bytes, up to
+#   3·4Ψ per step in fp32, become up to 3·2Ψ.
 # * Loss scaling: multiply by S, unscale in fp32, skip steps that overflowed, back off,
 #   grow after clean runs. With sharded gradients all ranks must agree on "overflowed"
 #   (`ShardedGradScaler` all-reduces the flag).
-# * The optimizer steps an fp32 master copy; 16-bit numbers are for compute and communication.
 
 # %%
 print(f"notebook ran in {time.perf_counter() - notebook_start:.0f} s")
