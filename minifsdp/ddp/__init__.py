@@ -12,7 +12,8 @@ gradients before the optimizer step, so every replica takes the same step:
 With equal slices, the mean of the per-rank mean losses is the mean loss of
 the whole batch, so N ranks with B samples each compute exactly what one process computes on
 N*B samples (up to float rounding). Cost: one all-reduce of every gradient
-per step, 2Ψ bytes in the ZeRO paper's units (Ψ = gradient bytes).
+per step: 2·4Ψ bytes for Ψ fp32 gradients (Ψ = the number of parameters; a ring
+all-reduce sends about twice the buffer).
 
 Naive beside optimized, same contract (drop-in for ``torch.nn.parallel.DistributedDataParallel``),
 one file each; read them in this order:

@@ -141,7 +141,7 @@ class BucketedDataParallel(nn.Module):
     be inside ``no_sync()``:
 
     * forward outside, backward inside -> that backward still all-reduces:
-      the result is right (averaging is linear), but you pay 2Ψ of
+      the result is right (averaging is linear), but you pay 2·4Ψ bytes of
       communication for every micro-batch instead of once per step;
     * forward inside, backward outside -> that backward is NOT all-reduced.
       Harmless for the micro-batches before the last; but if the *last*
@@ -222,13 +222,9 @@ class BucketedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: forward AND backward inside skip the all-reduce; grads add up locally.
-
-        >>> with model.no_sync():
-        ...     for x, y in micro_batches[:-1]:
-        ...         (lm_loss(model(x), y) / k).backward()
-        >>> (lm_loss(model(x_last), y_last) / k).backward()   # one all-reduce of the sum
-        """
+        """Gradient accumulation: a forward inside arms no all-reduce for its backward, so gradients add up
+        locally; the first backward whose forward ran outside all-reduces the accumulated sum (as torch's
+        ``DistributedDataParallel.no_sync``: DDP decides in forward)."""
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield

@@ -49,7 +49,7 @@ class DistributedDataParallel(BucketedDataParallel):
       backward (their slot holds ``p.grad`` or zeros), and one small all-reduce of "used" flags
       tells which were unused on *every* rank: their ``.grad`` is left untouched (``None`` stays
       ``None``), as torch does. That flag all-reduce (4 bytes x 2 per parameter tensor) is the
-      only traffic beyond 2Ψ. If only *some* ranks miss a gradient without this option, those
+      only traffic beyond 2·4Ψ. If only *some* ranks miss a gradient without this option, those
       ranks raise and the others wait in vain: under ``launch`` the error still surfaces.
     * ``gradient_as_bucket_view`` - ``p.grad`` *is* the bucket slice: no copy in or out, one
       gradient-sized buffer saved.

@@ -4,28 +4,20 @@
 # %% [markdown]
 # # 02 - Data parallel: one model, many batches
 #
-# The simplest way to train on N devices: every rank keeps a **full copy of the
-# model**, each rank gets a **different slice of the batch**, and the gradients are
-# **averaged** across ranks before the optimizer step, so every copy takes exactly the
-# same step and the copies never drift apart.
+# Every rank keeps a **full copy of the model** and gets a **different slice of the batch**;
+# the gradients are **averaged** across ranks, so every copy takes the same step.
 #
-# **You will be able to**: build PyTorch's `DistributedDataParallel` mechanism
-# yourself — gradient hooks that average each gradient as autograd finishes it, then
-# gradient **buckets** whose asynchronous all-reduce starts while backward is still
-# running; prove it equals one process on the whole batch; count its bytes (2·4Ψ per
-# step) and see the overlap on your own timeline; accumulate gradients with `no_sync()`.
+# **You will be able to**: build the mechanism of PyTorch's `DistributedDataParallel` -
+# gradient hooks, then buckets whose asynchronous all-reduce overlaps backward; prove it
+# equals one process; count its bytes; accumulate gradients with `no_sync()`.
 #
 # **Prerequisites**: lab 00 (collectives, `launch`, the tracer), lab 01 (Ψ, gradients).
-# **Time**: about 75 minutes of work; the cells compute for about 1.5 minutes on a
-# laptop (2-4 CPU ranks, `gloo`), less on GPUs (one rank per GPU; `dist.lab_world_size`
-# runs fewer ranks on a VM with fewer GPUs).
 #
-# **Exercises**: 1. a gradient-hook DDP · 2. the bucket layout · 3. buckets with an
-# overlapped asynchronous all-reduce · 4. gradient accumulation with `no_sync()`.
+# **Time**: about 75 minutes of work. The cells compute for about 1 minute on a laptop
+# (2-4 CPU ranks, gloo), about as long on GPUs (more ranks than GPUs run on the CPU).
 #
 # **Symbols**: Ψ = the number of parameters; fp32 gradients take 4Ψ bytes, and one
-# all-reduce of them moves 2·4Ψ bytes (the ZeRO paper's volume: a reduce-scatter plus
-# an all-gather). N = the world size.
+# all-reduce of them moves 2·4Ψ bytes (ring: 2(N-1)/N ≈ 2 times the buffer). N = the world size.
 
 # %%
 import contextlib
@@ -34,8 +26,8 @@ import tempfile
 import time
 
 import ipywidgets as widgets
-import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 
 from minifsdp import comm, data, dist, launch, models, plot, trace
 from minifsdp.ddp import DistributedDataParallel
@@ -47,7 +39,7 @@ from minifsdp.train import TrainConfig, train
 torch.set_num_threads(1)
 notebook_start = time.perf_counter()
 MiB = 2**20
-N2 = dist.lab_world_size(2)  # 2 ranks on a laptop; 1 on a 1-GPU VM
+N2 = 2  # the lessons' runs use 2 ranks; with fewer GPUs, launch runs them on the CPU and says so
 
 # %% [markdown]
 # ## 1. Why averaging gradients is exact
@@ -71,38 +63,38 @@ for world in (2, 4):
 # $$L = \frac{1}{Nb}\sum_{i=1}^{Nb} \ell_i = \frac{1}{N}\sum_{r=1}^{N} \underbrace{\frac{1}{b}\sum_{i \in \text{slice } r}\ell_i}_{L_r}
 # \qquad\Rightarrow\qquad \nabla L = \frac{1}{N}\sum_{r=1}^{N} \nabla L_r$$
 #
-# because the gradient is linear. So: each rank computes the gradient of *its own*
-# mean loss, an **all-reduce** sums the N gradients on every rank, and dividing by N
-# gives every rank the gradient of the whole batch. That holds only if every rank
-# computed its gradient **at the same weights**: the ranks must start from the same
-# parameters (a **broadcast** from rank 0), and then they stay equal because they all
-# take the same step.
-#
+# because the gradient is linear. So each rank computes the gradient of *its own* mean
+# loss, an **all-reduce** sums the N gradients on every rank, and dividing by N gives every
+# rank the gradient of the whole batch. That holds only if every rank computed its gradient
+# **at the same weights**: the ranks must start from the same parameters (a **broadcast**
+# from rank 0), and then they stay equal because they all take the same step.
+
+# %% [markdown]
 # ### Exercise 1: data parallel from gradient hooks
 #
-# PyTorch's DDP does not ask you to change your training loop: it hooks into autograd.
-# `p.register_post_accumulate_grad_hook(fn)` makes autograd call `fn(p)` the moment
-# `p.grad` is complete in a backward pass. Write `make_data_parallel(model)`:
+# PyTorch's DDP leaves your training loop alone: it hooks into autograd.
+# `p.register_post_accumulate_grad_hook(fn)` makes autograd call `fn(p)` as soon as `p.grad`
+# is complete in a backward pass.
 #
-# 1. make every rank's weights equal to rank 0's (each rank built its model with its
-#    own seed, as independent programs would);
-# 2. register, on every parameter, a hook that turns its gradient into the **average**
-#    over ranks, in place.
+# **Goal**: `make_data_parallel(model)` returns `model`, changed so that the plain loop -
+# `lm_loss(model(x), y).backward()` on each rank's slice - leaves on every rank the gradient
+# one process computes on the whole batch. Each rank built its model with its own seed, as
+# independent programs would.
 #
-# Then the plain single-process loop — `loss = lm_loss(model(x), y); loss.backward()` —
-# trains data-parallel. The collectives, from `minifsdp.comm` (lab 00):
-# `comm.broadcast(tensor, src=0)` and `comm.all_reduce(tensor)` (a **sum**, in place);
-# use `comm` so the tracer sees them. Change a tensor autograd tracks under
-# `torch.no_grad()`. The check runs your function on 2 and 4 ranks, compares the
-# gradients with one process on the whole batch, and counts the bytes.
+# **Target**: the single-process gradients (to fp32 rounding) at 2 and 4 ranks, and
+# **2·4Ψ bytes** all-reduced per step, inside backward. Use `comm.broadcast(t, src=0)` and
+# `comm.all_reduce(t)` (a sum, in place) from lab 00: the tracer counts what they send.
+#
+# Stuck? `check.hint("make_data_parallel")` prints the next hint, one at a time (every
+# exercise has them).
 
 # %%
 def make_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """Broadcast rank 0's weights; then average every gradient over ranks from a hook. Returns the model."""
+    """Returns ``model``, with rank 0's weights on every rank and every gradient averaged over ranks
+    by autograd hooks as backward produces it."""
     world = dist.world_size()
     # BEGIN SOLUTION
-    # HINT: first send rank 0's value of every parameter to all ranks; then give every parameter a hook that
-    # HINT: sums its gradient over ranks and divides by the world size (the hook receives the parameter).
+    # HINT: same weights everywhere, gradients averaged from hooks. More: check.hint('make_data_parallel')
     with torch.no_grad():
         for p in model.parameters():
             comm.broadcast(p, src=0)
@@ -123,9 +115,9 @@ check.hook_ddp(make_data_parallel)
 
 # %% [markdown]
 # That is `minifsdp.ddp.NaiveDataParallel` (picotron's `DataParallelNaive` is the
-# same). It moves the minimum — every gradient once, 2·4Ψ bytes — but each all-reduce
+# same). It moves the minimum - every gradient once, 2·4Ψ bytes - but each all-reduce
 # is **blocking**: backward stops while one small tensor is on the wire, once per
-# parameter tensor, and every message pays a fixed latency (lab 00's α).
+# parameter tensor, and every message pays a fixed latency (lab 00's α in α + S/B).
 #
 # ## 2. Buckets, and communication overlapped with backward
 #
@@ -137,22 +129,26 @@ check.hook_ddp(make_data_parallel)
 #   produces the last layer's gradients first. When a bucket is full its all-reduce
 #   starts *asynchronously* (`async_op=True` returns a handle at once) and backward goes
 #   on computing earlier layers; after backward, DDP only waits for the handles.
-#
+
+# %% [markdown]
 # ### Exercise 2: the bucket layout
 #
-# Write `bucket_layout(params, cap_bytes)`: a list of buckets, each a list of parameter
-# indices. Walk the parameters from the **last** to the first, adding each to the open
-# bucket; as soon as the open bucket's bytes **reach** `cap_bytes` (≥), close it and open
-# a new one; what is open at the end is the last bucket. (That is torch's rule: a bucket
-# overshoots the cap by less than its last tensor.) The check compares your layout of
-# `gpt-mini` with torch's rule at five caps.
+# **Goal**: `bucket_layout(params, cap_bytes)` returns the buckets as a list of lists of
+# parameter indices, laid out by torch's rule:
+#
+# * every index is in exactly one bucket, and the first bucket holds the **last** parameters
+#   (the order in which backward produces their gradients);
+# * a bucket is closed as soon as its gradients' bytes **reach** `cap_bytes`, so it
+#   overshoots the cap by less than its last tensor; the last bucket may be smaller.
+#
+# **Target**: torch's layout of `gpt-mini`'s parameters at five caps, from 1 B to 100 MiB.
 
 # %%
 def bucket_layout(params: list, cap_bytes: int) -> list[list[int]]:
-    """Parameter indices grouped into buckets of about cap_bytes, in reverse order (torch's rule)."""
+    """Returns the buckets, each a list of indices into ``params``, by torch's rule: reverse order,
+    a bucket closed when its bytes reach ``cap_bytes``."""
     # BEGIN SOLUTION
-    # HINT: keep the open bucket's indices and its size in bytes (numel times element size); walk the indices
-    # HINT: from last to first; close the bucket when its size reaches the cap; keep a non-empty last bucket.
+    # HINT: buckets of about cap_bytes, last parameters first. More: check.hint('bucket_layout')
     buckets, current, size = [], [], 0
     for i in reversed(range(len(params))):
         current.append(i)
@@ -179,25 +175,20 @@ check.bucket_layout(bucket_layout)
 # %% [markdown]
 # ### Exercise 3: buckets whose all-reduce overlaps backward
 #
-# Complete `BucketedDDP`. The constructor broadcasts the weights, computes the layout
-# with your `bucket_layout`, and registers a hook on every parameter that calls
-# `grad_ready(i)` when parameter `i`'s gradient is complete. You write:
+# `BucketedDDP(model, bucket_cap_mb)` comes with its skeleton: the constructor broadcasts
+# the weights, lays out the buckets with your `bucket_layout`, and hooks every parameter to
+# call `grad_ready(i)` when its gradient is complete. The loop calls
+# `finish_gradient_sync()` after `backward()`. You write:
 #
-# * in `__init__`: one **flat fp32 buffer per bucket**, on `dist.device()` (on a GPU
-#   the collectives need GPU tensors), and for every parameter where its slice of that
-#   buffer starts;
-# * `grad_ready(i)`: copy the gradient into its slice; when it was the bucket's last
-#   missing gradient, **launch** the bucket's all-reduce with `async_op=True` and keep
-#   the handle — do not wait;
-# * `finish_gradient_sync()` (the loop calls it after `backward()`): wait for every
-#   handle, write the **average** back into each `p.grad`, and reset what you counted
-#   for the next step.
+# * `__init__`: what `slice_of` reads - `self.flat[k]`, bucket `k`'s flat fp32 buffer, on
+#   `dist.device()` (NCCL takes GPU tensors only), and `self.offset[i]`;
+# * `grad_ready(i)`: the gradient into its bucket; a bucket's all-reduce **starts** the moment
+#   the bucket is complete (`async_op=True` returns a handle), without waiting for it;
+# * `finish_gradient_sync()`: returns when every `p.grad` holds the average over ranks, with
+#   the object ready for the next step.
 #
-# Every rank must launch the same buckets in the same order: autograd visits the
-# parameters in the same order on every rank, so launching each bucket as it fills
-# does that. Target: the gradients of one process on the whole batch, **2·4Ψ bytes**
-# all-reduced per step (exact), **one all-reduce per bucket**, every bucket launched
-# before backward ends. The check draws your timeline above the library's.
+# **Target**: the single-process gradients at 2 and 4 ranks, **2·4Ψ bytes** and **one
+# all-reduce per bucket** per step, every bucket launched before backward ends.
 
 # %%
 class BucketedDDP:
@@ -214,8 +205,7 @@ class BucketedDDP:
         self.pending = [len(bucket) for bucket in self.buckets]  # gradients still missing, per bucket
         self.handles = []                                         # (bucket, handle) in flight
         # BEGIN SOLUTION
-        # HINT: one zero buffer per bucket, as many fp32 elements as its parameters together, on this rank's
-        # HINT: device; and for every parameter index, the element at which its slice of that buffer starts.
+        # HINT: self.flat (a buffer per bucket) and self.offset. More: check.hint('BucketedDDP')
         self.flat = [torch.zeros(sum(self.params[i].numel() for i in bucket), device=dist.device())
                      for bucket in self.buckets]
         self.offset = {}
@@ -235,10 +225,10 @@ class BucketedDDP:
 
     @torch.no_grad()
     def grad_ready(self, i: int) -> None:
-        """Autograd finished parameter i's gradient."""
+        """Autograd finished parameter i's gradient: it goes into its bucket; a complete bucket's async
+        all-reduce starts now. Returns None."""
         # BEGIN SOLUTION
-        # HINT: copy the gradient into its slice; count it in its bucket; if the bucket is now complete, start
-        # HINT: its all-reduce without blocking and remember the handle.
+        # HINT: into the bucket; a complete bucket starts its all-reduce. More: check.hint('BucketedDDP')
         k = self.bucket_of[i]
         self.slice_of(i).copy_(self.params[i].grad)
         self.pending[k] -= 1
@@ -248,10 +238,9 @@ class BucketedDDP:
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """After backward: wait for every bucket, write the averages back into p.grad, reset for the next step."""
+        """After backward: returns when every p.grad holds the average over ranks, ready for the next step."""
         # BEGIN SOLUTION
-        # HINT: wait on each handle; the buffer then holds the sum over ranks: divide by the world size and copy
-        # HINT: each slice back into its parameter's gradient; then restore the pending counts and the handle list.
+        # HINT: averages into every p.grad, ready for the next step. More: check.hint('BucketedDDP')
         for k, handle in self.handles:
             handle.wait()
             self.flat[k].div_(self.world)
@@ -264,49 +253,57 @@ class BucketedDDP:
 
 # %%
 # CHECK: single-process gradients at 2 and 4 ranks, 2·4Ψ bytes per step, buckets launched during backward
+# FIGURE: your timeline above the library's
 check.bucketed_ddp(BucketedDDP)
 
 # %% [markdown]
-# On your timeline (top), each bucket's `all_reduce` bar starts inside `backward` — the
-# moment its last gradient arrived — and ends in `sync`, where `finish_gradient_sync`
+# On your timeline (top; time in ms), each bucket's `all_reduce` bar starts inside `backward` -
+# the moment its last gradient arrived - and ends in `sync`, where `finish_gradient_sync`
 # waited for it: the network had work while backward was still computing. The library's
 # `DistributedDataParallel` (bottom) does the same, its wait labelled `ddp.wait`.
 # Takeaway: the same bytes as the naive version, in a few messages that travel while
 # backward computes.
-#
+
+# %% [markdown]
 # ### Bucket size against overlap
 #
-# Move the slider and press the button: two ranks run three steps of `gpt-mini` with
-# your `BucketedDDP` at that cap, and the timeline shows the last step. One tiny bucket
-# per tensor pays the per-message cost many times; one huge bucket cannot start before
-# the whole backward is done, so nothing overlaps. (On a 2-core CPU, compute and gloo's
-# threads share the cores, so times here are noisy and the gain is modest; on GPUs
-# NCCL runs on its own stream and the overlap hides most of the communication.)
+# Move the slider and press **run**: two ranks run three steps of `gpt-mini` with your
+# `BucketedDDP` at that cap, and the timeline shows the last step. One tiny bucket per
+# tensor pays the per-message cost many times; one huge bucket cannot start before the whole
+# backward is done, so nothing overlaps. (On a 2-core CPU, compute and gloo's threads share
+# the cores, so times here are noisy and the gain is modest; on GPUs NCCL runs on its own
+# stream and the overlap hides most of the communication.)
 
 # %%
-def explore_bucket_size(bucket_cap_mb: float = 1.0):
-    """Run your BucketedDDP on gpt-mini (N2 ranks, 3 steps) at this cap; print its overlap, draw the last step."""
-    # check.traced_steps is the check's loop: forward, backward, your finish_gradient_sync, 3 traced steps
-    runs = launch(check.traced_steps, N2, BucketedDDP, bucket_cap_mb, 3, "gpt-mini", GLOBAL_BATCH, False,
-                  timeout=120)
-    rep = check.step_report(runs[0]["trace"], 2)
+def explore_bucket_size(bucket_cap_mb: float = 1.0) -> plot.Figure:
+    """Your BucketedDDP on gpt-mini, N2 ranks, 3 steps at this cap: prints its overlap, returns the last step's timeline."""
+    rep, fig = check.bucket_run(BucketedDDP, bucket_cap_mb, N2, steps=3, model_name="gpt-mini", batch=GLOBAL_BATCH)
     print(f"cap {bucket_cap_mb:g} MiB: {rep['all_reduces']} all-reduces per step, {rep['launched_in_backward']} "
           f"launched during backward, {rep['in_flight_at_backward_end']} still in flight when it ended; "
           f"step {rep['step_ms']:.0f} ms, backward {rep['backward_ms']:.0f} ms (rank 0)")
-    fig, ax = plot.column_figure(height=2.8)
-    check.step_timeline([r["trace"] for r in runs], 2, ax, f"your BucketedDDP, gpt-mini, cap {bucket_cap_mb:g} MiB, "
-                        f"{N2} ranks, step 2 (ms)")
     return fig
 
 
-widgets.interactive(explore_bucket_size, {"manual": True, "manual_name": "run"},
-                    bucket_cap_mb=widgets.FloatLogSlider(value=1.0, base=2, min=-4, max=5, step=1,
-                                                         description="cap (MiB)"))
+cap_slider = widgets.FloatLogSlider(value=1.0, base=2, min=-4, max=5, step=1, description="bucket cap (MiB)",
+                                    style={"description_width": "initial"}, layout=widgets.Layout(width="520px"))
+run_button = widgets.Button(description="run")
+run_output = widgets.Output()
+
+
+def show_run(_button=None) -> None:
+    with run_output:
+        run_output.clear_output(wait=True)
+        display(explore_bucket_size(cap_slider.value))
+
+
+run_button.on_click(show_run)
+widgets.VBox([cap_slider, run_button, run_output])
 
 # %% [markdown]
 # The same function, called plainly (what the slider runs):
 
 # %%
+# FIGURE
 explore_bucket_size(0.25)
 
 # %% [markdown]
@@ -316,36 +313,37 @@ explore_bucket_size(0.25)
 #
 # ## 3. Gradient accumulation and `no_sync()`
 #
-# To train with a batch larger than fits in memory, run k micro-batches, let the
-# gradients add up in `p.grad`, and step once; dividing each micro-batch's mean loss by
-# k makes the sum the gradient of the mean over all k micro-batches. With data parallel,
-# all-reducing after every micro-batch is wasted work: averaging is linear, so *one*
-# all-reduce of the accumulated sum, after the last micro-batch, gives the same result
-# for 1/k of the traffic. `model.no_sync()` is a context manager that turns the
-# all-reduce off for what runs inside it.
+# To train with a batch larger than fits in memory, run k micro-batches, let the gradients
+# add up in `p.grad`, and step once. With data parallel, all-reducing after every
+# micro-batch is wasted work: averaging is linear, so *one* all-reduce of the accumulated
+# sum, after the last micro-batch, gives the same result for 1/k of the traffic.
 #
-# The catch: PyTorch's DDP decides **in `forward`** whether the coming backward will
-# synchronise (`minifsdp.ddp.DistributedDataParallel` copies that behaviour). So the
-# *forward and the backward* of micro-batches 0 .. k-2 belong inside `no_sync()`, and
-# the last micro-batch, forward included, outside.
-#
+# `model.no_sync()` is a context manager that turns the DDP's all-reduce off for what runs
+# inside it. The catch: PyTorch's DDP decides **in `forward`** whether the coming backward
+# will synchronise, and `minifsdp.ddp.DistributedDataParallel` copies that behaviour.
+
+# %% [markdown]
 # ### Exercise 4: accumulate with one all-reduce per step
 #
-# Write `accumulation_step(model, micro_batches)`: `model` is a `DistributedDataParallel`,
-# `micro_batches` a list of k `(x, y)` pairs. Afterwards `p.grad` must hold the gradient
-# of the mean loss over all k micro-batches and all ranks, and exactly one all-reduce
-# of the gradients (2·4Ψ bytes) may have happened. The check runs it on 2 and 4 ranks
-# with k = 4 and counts the bytes with the tracer.
+# **Goal**: `accumulation_step(model, micro_batches)` - `model` is a
+# `DistributedDataParallel`, `micro_batches` a list of k `(x, y)` pairs, one forward each -
+# returns None and leaves in every `p.grad` the gradient of the mean loss over the whole
+# global batch: all k micro-batches on all ranks.
+#
+# **Target**: exactly one all-reduce of the gradients per step, **2·4Ψ bytes**, sent by the
+# model itself (its buckets), and the single-process gradient. The check runs it on 2 and 4
+# ranks with k = 4 and counts the bytes with the tracer.
 
 # %%
 ACCUM, ACC_BATCH = 4, 16   # micro-batches per step; global batch (2 ranks x 4 micro-batches x 2 sequences)
 
 
-def accumulation_step(model, micro_batches):
+def accumulation_step(model: DistributedDataParallel, micro_batches: list) -> None:
+    """One step's backward over k micro-batches: returns None; afterwards every p.grad holds the gradient
+    of the mean loss over all micro-batches of all ranks, after one all-reduce of the gradients."""
     k = len(micro_batches)
     # BEGIN SOLUTION
-    # HINT: every micro-batch's loss is its mean loss divided by k; all micro-batches but the last run their
-    # HINT: forward and their backward inside the model's no_sync context; the last one runs outside it.
+    # HINT: the whole batch's gradient, one all-reduce in all. More: check.hint('accumulation_step')
     with model.no_sync():
         for x, y in micro_batches[:-1]:
             (models.lm_loss(model(x), y) / k).backward()
@@ -365,6 +363,7 @@ check.accumulation(accumulation_step, ACCUM, ACC_BATCH)
 # bytes with a **communication hook** (`register_comm_hook`, the official way to see or
 # replace what DDP sends): the hook sees each bucket, records its size, and calls
 # PyTorch's default all-reduce hook. Bytes are in the ZeRO paper's units for both (2x the bucket).
+# (This cell shows the exercise's answer among its variants: it comes after the check.)
 
 # %%
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -459,7 +458,8 @@ for name, res in accum_runs.items():
 #
 # PyTorch's DDP rows match ours line for line: the same bytes in the same micro-steps,
 # and the same gradients.
-#
+
+# %% [markdown]
 # ## 4. Against PyTorch's DDP, through one trainer
 #
 # `minifsdp.train.train(TrainConfig(strategy=...))` runs the same training loop for every
@@ -498,6 +498,7 @@ for s in strategies:
           f"{moved_txt:>16}")
 
 # %%
+# FIGURE: the loss curves and step times of the four strategies
 # The trainer's parity contract, asserted
 LOSS_TOL = 1e-5   # fp32, per step, after AdamW steps (tests/test_train.py uses the same kind of bound)
 for s in strategies[1:]:
@@ -521,12 +522,14 @@ ax2.grid(axis="y", alpha=0.3)
 fig
 
 # %% [markdown]
-# Takeaway: every data-parallel strategy follows the single-process loss curve step by step.
+# Takeaway (left: loss in nats per token against the step; right: median step time in ms):
+# every data-parallel strategy follows the single-process loss curve step by step.
 # The losses agree to float rounding (the cell above printed the largest difference).
 # Compare the step times printed above with care: `single` uses one process for the
 # whole batch, the others two processes on a shared CPU, and the smaller the model the
 # more the fixed per-message cost of communication weighs.
-#
+
+# %% [markdown]
 # ## What you have seen
 #
 # * Data parallel = same weights everywhere (broadcast once) + a different slice of the
