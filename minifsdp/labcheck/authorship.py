@@ -50,6 +50,8 @@ class LibraryShortcut(RuntimeError):
 
 
 def _name(obj: Any) -> str:
+    if isinstance(obj, types.BuiltinFunctionType):  # a C function: its qualname is pybind's, not the reader's
+        return f"{getattr(obj, '__module__', None) or 'torch'}.{obj.__name__}"
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}"
 
 
@@ -112,7 +114,7 @@ class Wire:
         self._alive = []
         for obj in self.library:
             if isinstance(obj, types.BuiltinFunctionType):  # a C function (torch's kernels): seen as "c_call"
-                watched_codes[id(obj)] = f"{getattr(obj, '__module__', None) or 'torch'}.{obj.__name__}"
+                watched_codes[id(obj)] = _name(obj)
                 self._alive.append(obj)
             for fn, name in _functions_of(obj):
                 for code in code_objects(fn.__code__):
