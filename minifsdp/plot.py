@@ -457,7 +457,7 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     Rows are ranks, blocks are chunks of each rank's tensor, coloured by the
     rank the value came from (dark: a sum over ranks). Rank r's chunk c
     starts as 10r + c + 1. The caption gives the bytes moved, from
-    ``comm.collective_bytes``, for a tensor of Ψ bytes.
+    ``comm.collective_bytes``, for a tensor of S bytes.
 
         >>> collective_diagram("all_reduce", 2)      # doctest: +SKIP
         # before: r0 [1 2]  r1 [11 12]   after: r0 [12 14]  r1 [12 14]
@@ -498,7 +498,7 @@ def collective_diagram(op: str, world_size: int = 4, src: int = 0, ax: Axes | No
     ax.text(n + gap / 2, n / 2 - 0.15, op, ha="center", va="bottom", fontsize=8)
     nb = comm.collective_bytes(op, 1 << 20, n)
     vol, ring = nb["bytes"] / (1 << 20), nb["ring_bytes"] / (1 << 20)
-    lines = [f"tensor of Ψ bytes: volume {vol:g}Ψ", f"ring: each rank sends {ring:.3g}Ψ"]
+    lines = [f"tensor of S bytes: volume {vol:g}S", f"ring: each rank sends {ring:.3g}S"]
     if op in ("all_reduce", "reduce_scatter"):
         lines.append("dark: summed over ranks")
     if op == "all_reduce":

@@ -79,3 +79,63 @@ def test_lab00_mistakes_fail(lab00, check, names, edits, words):
 def test_the_library_itself_is_told_apart(lab00):
     from minifsdp import comm
     fails(lab00.ring_all_gather, comm.all_gather, words="library's own")
+
+
+# ------------------------------------------------------------------ library shortcuts, one (or more) per exercise
+# Written the way a learner looking for a shortcut would: the library behind a notebook helper, an alias, a module
+# attribute, or reached only at run time (a name built from strings, which no reading of the code can see).
+SHORTCUTS = {
+    "ag-helper": ("ring_all_gather", ["my_all_gather"],
+                  "def gather_helper(x):\n    return comm.all_gather(x)\n\n"
+                  "def my_all_gather(x):\n    return gather_helper(x)\n"),
+    "ag-runtime-only": ("ring_all_gather", ["my_all_gather"],
+                        "def my_all_gather(x):\n    return getattr(comm, 'all_' + 'gather')(x)\n"),
+    "rs-alias": ("ring_reduce_scatter", ["my_reduce_scatter"],
+                 "from minifsdp.comm import reduce_scatter as fast_sum\n\n"
+                 "def my_reduce_scatter(x):\n    return fast_sum(x.clone())\n"),
+    "rs-runtime-only": ("ring_reduce_scatter", ["my_reduce_scatter"],
+                        "def my_reduce_scatter(x):\n    y = x.clone()\n"
+                        "    out = y.new_empty(y.numel() // dist.world_size())\n"
+                        "    getattr(comm, 'reduce_scatter' + '_tensor')(out, y)\n    return out\n"),
+    "ar-module-alias": ("ring_all_reduce", ["my_all_reduce", "ring_bytes_sent", "bus_bandwidth"],
+                        "import minifsdp.comm as c\n\n"
+                        "def my_all_reduce(x):\n    y = x.clone()\n    c.all_reduce(y)\n    return y\n"),
+    "bytes-library": ("ring_all_reduce", ["my_all_reduce", "ring_bytes_sent", "bus_bandwidth"],
+                      "def ring_bytes_sent(nbytes, world_size):\n"
+                      "    return comm.collective_bytes('all_reduce', nbytes, world_size)['ring_bytes']\n"),
+    "bytes-runtime-only": ("ring_all_reduce", ["my_all_reduce", "ring_bytes_sent", "bus_bandwidth"],
+                           "def ring_bytes_sent(nbytes, world_size):\n"
+                           "    count = getattr(comm, 'collective' + '_bytes')\n"
+                           "    return count('all_reduce', nbytes, world_size)['ring_bytes']\n"),
+    "bus-estimate-helper": ("ring_all_reduce", ["my_all_reduce", "ring_bytes_sent", "bus_bandwidth"],
+                            "from minifsdp import estimate\n\n"
+                            "def ring_share(op, nbytes, n):\n"
+                            "    moved = estimate.comm_bytes_per_step(nbytes // 4, n, 'ddp', ring=True)['total']\n"
+                            "    return moved if op == 'all_reduce' else moved / 2\n\n"
+                            "def bus_bandwidth(op, nbytes, seconds, world_size):\n"
+                            "    return ring_share(op, nbytes, world_size) / seconds\n"),
+    "draw-library": ("ring_timeline", ["draw_ring_timeline", "my_all_reduce"],
+                     "def draw_ring_timeline(traces, ax):\n    plot.timeline(traces, ax=ax)\n"),
+    "draw-runtime-only": ("ring_timeline", ["draw_ring_timeline", "my_all_reduce"],
+                          "def draw_ring_timeline(traces, ax):\n    getattr(plot, 'time' + 'line')(traces, ax=ax)\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(SHORTCUTS))
+def test_lab00_library_shortcut_fails(lab00, name):
+    check, names, code = SHORTCUTS[name]
+    ns = load(L00)
+    exec(code, ns)  # noqa: S102 - the shortcut replaces the exercise in the notebook's namespace (__main__)
+    message = shortcut_fails(getattr(lab00, check), *(ns[n] for n in names))
+    assert "library" in message
+
+
+def test_lab00_hints_come_one_at_a_time_and_never_hold_code(lab00, capsys):
+    for name, steps in lab00.hint.table.items():
+        assert 2 <= len(steps) <= 4, name
+        for step in steps:
+            assert "(r - step" not in step and "% n]" not in step, f"a hint of {name} holds code: {step}"
+    lab00.hint.again("my_all_gather")
+    lab00.hint("my_all_gather")
+    out = capsys.readouterr().out
+    assert out.startswith("hint 1 of") and all(len(line) <= 100 for line in out.splitlines())

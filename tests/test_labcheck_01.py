@@ -33,7 +33,7 @@ def test_lab01_blank_fails(lab01):
     with pytest.raises(NotImplementedError):  # the exercise cell itself calls it on the MLP's shapes
         load(L01, blank=True, extra=EXTRA01)
     ns = load(L01, blank=True, extra=EXTRA01, edits=(('print("the MLP:", predict_model_states(mlp_shapes))', ""),
-                                                     ('print("gpt-tiny: Ψ =", predict_gpt_params(tiny.config))', "")))
+                                                     ('print("gpt-tiny: Ψ =", predict_gpt_params(tiny.config), "parameters")', "")))
     fails(lab01.model_states, ns["predict_model_states"], words="not written yet")
     solved = load(L01, extra=EXTRA01)
     fails(lab01.model_states, solved["predict_model_states"], ns["predict_gpt_params"], words="not written yet")
@@ -75,3 +75,83 @@ def test_lab01_library_call_is_told_apart(lab01):
     ns = load(L01, extra=EXTRA01)
     exec("def lazy(config, B, T):\n    return sum(estimate.gpt_layer_activation_breakdown(config, B, T).values())\n", ns)
     fails(lab01.block_activations, ns["lazy"], words="minifsdp.estimate")
+
+
+# ------------------------------------------------------------------ library shortcuts, one (or more) per exercise
+# "Predicting" with the library: its formulas (minifsdp.estimate) behind a helper or an alias, counting a built
+# model, measuring with the tracker or with the check's own (private) measuring helpers, or a name built at run
+# time that no reading of the code can see (the run-time wire catches it).
+SHORTCUTS = {
+    "states-helper": ("model_states", ["predict_model_states"],
+                      "def states_helper(psi, tensors):\n"
+                      "    m = estimate.model_state_bytes_per_device(psi)\n"
+                      "    return {'parameters': m['parameters'], 'gradients': m['gradients'],\n"
+                      "            'optimizer': m['optimizer'] + 4 * tensors}\n\n"
+                      "def predict_model_states(shapes):\n"
+                      "    return states_helper(sum(math.prod(s) for s in shapes.values()), len(shapes))\n"),
+    "gpt-params-runtime-only": ("model_states", ["predict_model_states", "predict_gpt_params"],
+                                "def predict_gpt_params(config):\n"
+                                "    return getattr(estimate, 'gpt_param' + '_count')(config)\n"),
+    "gpt-params-built-model": ("model_states", ["predict_model_states", "predict_gpt_params"],
+                               "from minifsdp.models import GPT as Sized\n\n"
+                               "def predict_gpt_params(config):\n"
+                               "    return sum(p.numel() for p in Sized(config).parameters())\n"),
+    "mlp-check-measures": ("mlp_activations", ["predict_mlp_activation_bytes"],
+                           "def predict_mlp_activation_bytes(B):\n    return check._measure_mlp_activations(B)\n"),
+    "mlp-runtime-only": ("mlp_activations", ["predict_mlp_activation_bytes"],
+                         "def predict_mlp_activation_bytes(B):\n"
+                         "    return getattr(check, '_measure_' + 'mlp_activations')(B)\n"),
+    "block-alias": ("block_activations", ["predict_block_activation_bytes"],
+                    "from minifsdp.estimate import gpt_layer_activation_breakdown as per_op\n\n"
+                    "def predict_block_activation_bytes(config, B, T):\n"
+                    "    return sum(per_op(config, B, T).values())\n"),
+    "block-tracker": ("block_activations", ["predict_block_activation_bytes"],
+                      "def predict_block_activation_bytes(config, B, T):\n"
+                      "    layer = torch.nn.LayerNorm(config.n_embd)\n"
+                      "    x = torch.randn(B, T, config.n_embd, requires_grad=True)\n"
+                      "    tracker = MemoryTracker()\n"
+                      "    with tracker:\n        tracker.register([x], ACTIVATIONS)\n        layer(x)\n"
+                      "        return tracker.live()[ACTIVATIONS]\n"),
+    "gpt-helper": ("gpt_activations", ["predict_gpt_activation_bytes", "predict_block_activation_bytes"],
+                   "def total_of(config, B, T):\n    return estimate.gpt_activation_bytes(config, B, T)['total']\n\n"
+                   "def predict_gpt_activation_bytes(config, B, T):\n    return total_of(config, B, T)\n"),
+    "gpt-runtime-only": ("gpt_activations", ["predict_gpt_activation_bytes", "predict_block_activation_bytes"],
+                         "def predict_gpt_activation_bytes(config, B, T):\n"
+                         "    return getattr(check, '_measure_gpt' + '_activations')(config, B, T)\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(SHORTCUTS))
+def test_lab01_library_shortcut_fails(lab01, name):
+    check, names, code = SHORTCUTS[name]
+    ns = load(L01, extra=EXTRA01)
+    exec(code, ns)  # noqa: S102 - the shortcut replaces the exercise in the notebook's namespace
+    shortcut_fails(getattr(lab01, check), *(ns[n] for n in names))
+
+
+def test_lab01_measuring_helpers_are_private(lab01):
+    public = [n for n in dir(lab01) if n.startswith("measure")]
+    assert not public, f"the check's measuring helpers must not be check.* names a learner would call: {public}"
+
+
+def test_lab01_hints_come_one_at_a_time(lab01, capsys):
+    for name, steps in lab01.hint.table.items():
+        assert 2 <= len(steps) <= 4, name
+    lab01.hint.again("predict_model_states")
+    lab01.hint("predict_model_states")
+    out = capsys.readouterr().out
+    assert out.startswith("hint 1 of") and all(len(line) <= 100 for line in out.splitlines())
+
+
+def test_lab01_stepping_a_real_optimizer_is_not_predicting(lab01):
+    """Measuring AdamW's state by stepping one, with the names hidden from a reading of the code: caught at run
+    time (torch's Adam step is watched inside the prediction)."""
+    ns = load(L01, extra=EXTRA01)
+    exec("def predict_model_states(shapes):\n"
+         "    params = [torch.zeros(s, requires_grad=True) for s in shapes.values()]\n"
+         "    for p in params:\n        p.grad = torch.zeros_like(p)\n"
+         "    opt = getattr(torch.optim, 'Adam' + 'W')(params)\n    getattr(opt, 'st' + 'ep')()\n"
+         "    state = sum(t.nbytes for s in opt.state.values() for t in s.values())\n"
+         "    n = sum(p.nbytes for p in params)\n"
+         "    return {'parameters': n, 'gradients': n, 'optimizer': state}\n", ns)
+    fails(lab01.model_states, ns["predict_model_states"], words="Adam.step")

@@ -292,7 +292,7 @@ def test_diagram_draws_every_block_with_its_value(op):
     assert values <= set(_texts(fig))
     assert ax.get_title().startswith(f"{op}, {n} ranks")
     vol = comm.collective_bytes(op, 1, n)["bytes"]
-    assert any(f"volume {vol}Ψ" in t for t in _texts(fig))
+    assert any(f"volume {vol}S" in t for t in _texts(fig))
 
 
 def test_diagram_bad_input():

@@ -4,28 +4,22 @@
 # %% [markdown]
 # # 00 — Collectives: how ranks talk to each other
 #
-# Every technique in this course — data parallel (DDP), ZeRO, FSDP — is
-# ordinary single-device PyTorch glued together by a handful of **collective
-# operations**: calls that every process of a group makes together, and that
-# move or combine their tensors.
+# Every technique in this course is single-device PyTorch glued together by
+# **collectives**: calls all processes of a group make together to move or combine tensors.
 #
-# **You will be able to**: start ranks from a notebook cell; say what
-# `all_reduce`, `all_gather`, `reduce_scatter` and `broadcast` leave on each
-# rank; **build** a ring all-gather, reduce-scatter and all-reduce from
-# point-to-point messages and count the bytes a rank sends; **draw your own
-# ring's timeline** from the tracer; read a bandwidth curve.
+# **You will be able to**: launch ranks from a cell; say what `all_reduce`,
+# `all_gather`, `reduce_scatter` and `broadcast` leave on each rank; **build** a ring
+# all-gather, reduce-scatter and all-reduce from messages and count their bytes; draw
+# your ring's timeline; read a bandwidth curve.
 #
-# **Prerequisites**: PyTorch tensors; no distributed experience.
-# **Time**: about 60 minutes of work; the cells compute for about 1 minute on a
-# laptop (CPU, `gloo`), less on GPUs (`nccl`, one rank per GPU: a 1- or 2-GPU
-# VM runs fewer ranks, see `dist.lab_world_size`).
+# **Prerequisites**: none (PyTorch tensors). **Time**: about 60 minutes of work; the
+# cells compute for about 1 minute on a laptop or a GPU VM. Lessons use 2 and 4
+# ranks: with fewer GPUs, `launch` runs CPU ranks and says so.
 #
-# **Exercises** (your code between the markers, each followed by a one-call check):
-# 1. ring all-gather · 2. ring reduce-scatter · 3. ring all-reduce, its bytes and bus bandwidth ·
-# 4. draw your ring's timeline.
+# **Exercises**: 1. ring all-gather · 2. ring reduce-scatter · 3. ring all-reduce,
+# its bytes, bus bandwidth · 4. your ring's timeline.
 #
-# Symbols: N = world size (number of ranks); S = bytes of a tensor; Ψ = number of
-# parameters of a model (used from lab 01 on).
+# N = world size (ranks); S = bytes of one tensor.
 
 # %%
 import os
@@ -41,21 +35,21 @@ from torch.distributed.constants import default_pg_timeout
 from minifsdp import LaunchTimeout, WorkerError, comm, dist, launch, plot, trace
 from minifsdp.labcheck import lab00 as check
 
-N2, N4 = dist.lab_world_size(2), dist.lab_world_size(4)  # 4 ranks on a laptop; fewer on a VM with fewer GPUs (one rank per GPU)
+N2, N4 = 2, 4  # the lessons' world sizes; with fewer GPUs than ranks, launch runs CPU ranks (and says so)
 print(f"torch {torch.__version__}, {os.cpu_count()} CPU core(s), CUDA available: {torch.cuda.is_available()}")
 
 # %% [markdown]
 # ## 1. Ranks, and launching from a cell
 #
-# A distributed job is *N copies of the same program*, each in its own
-# process. Each copy is a **rank**, numbered `0 … N-1`; `N` is the **world
-# size**. They find each other once (the *rendezvous*), forming a **process
-# group**; from then on they can call collectives.
+# A distributed job is *N copies of the same program*, each in its own process.
+# Each copy is a **rank**, numbered `0 … N-1`; `N` is the **world size**. They
+# find each other once (the *rendezvous*), forming a **process group**; from then
+# on they can call collectives.
 #
-# `launch(fn, world_size, *args, timeout=...)` does all of that for a function
-# you define in a cell: it starts `world_size` fresh processes, initialises
-# `torch.distributed` in each, runs `fn(*args)`, and returns the list of
-# return values, indexed by rank. Inside `fn`, `minifsdp.dist` answers "who am I?":
+# `launch(fn, world_size, *args, timeout=...)` does that for a function defined in
+# a cell: it starts `world_size` processes, initialises `torch.distributed` in each,
+# runs `fn(*args)`, and returns the return values, indexed by rank. Inside `fn`,
+# `minifsdp.dist` answers "who am I?":
 #
 # | call | meaning |
 # |---|---|
@@ -108,7 +102,8 @@ except WorkerError as err:
     print(err)
     print("failed ranks:", err.ranks)
     print("the original exception:", repr(err.__cause__))
-    print("last line of rank 1's full traceback:", err.tracebacks[1].strip().splitlines()[-1])
+    last = err.ranks[-1]  # the failing rank (the last one here): its full traceback is err.tracebacks[last]
+    print(f"last line of rank {last}'s full traceback:", err.tracebacks[last].strip().splitlines()[-1])
 
 # %% [markdown]
 # A *hang* is worse than an error: a rank waiting for a message nobody sends
@@ -153,6 +148,7 @@ except WorkerError as err:  # the same deadline, noticed first by gloo inside a 
 # part of the batch, and `all_reduce` leaves every rank with their sum.
 
 # %%
+# FIGURE
 plot.collective_diagram("all_reduce", 4)
 
 # %%
@@ -178,12 +174,15 @@ def show(results):
 show(launch(run_all_reduce, N4, timeout=60))
 
 # %% [markdown]
+# Takeaway: every rank ends with the same sums (64 = 1 + 11 + 21 + 31).
+#
 # ### all_gather: everyone gets everyone's chunk, in rank order
 #
 # FSDP keeps only a *shard* (1/N) of each parameter on each rank, and
 # all-gathers the full parameter just before a layer needs it.
 
 # %%
+# FIGURE
 plot.collective_diagram("all_gather", 4)
 
 # %%
@@ -197,6 +196,8 @@ def run_all_gather():
 show(launch(run_all_gather, N4, timeout=60))
 
 # %% [markdown]
+# Takeaway: every rank ends with the same N chunks, chunk i from rank i.
+#
 # ### reduce_scatter: sum, then rank *i* keeps chunk *i*
 #
 # The mirror image of all_gather. ZeRO-2 and FSDP use it for gradients: each
@@ -204,6 +205,7 @@ show(launch(run_all_gather, N4, timeout=60))
 # summed gradient *of that shard*.
 
 # %%
+# FIGURE
 plot.collective_diagram("reduce_scatter", 4)
 
 # %%
@@ -216,12 +218,15 @@ def run_reduce_scatter():
 show(launch(run_reduce_scatter, N4, timeout=60))
 
 # %% [markdown]
+# Takeaway: each rank ends with one summed chunk, its own: rank i holds the sum of chunk i.
+#
 # ### broadcast: everyone gets one rank's tensor
 #
 # DDP and FSDP broadcast rank 0's initial weights, so that every replica
 # starts from the same model. Here the source is the last rank (rank 3 of 4 in the drawing).
 
 # %%
+# FIGURE
 plot.collective_diagram("broadcast", 4, src=3)
 
 # %%
@@ -234,6 +239,9 @@ def run_broadcast(src):
 
 
 show(launch(run_broadcast, N4, N4 - 1, timeout=60))
+
+# %% [markdown]
+# Takeaway: every rank ends with the source rank's tensor (here rank 3's: 31 … 34).
 
 # %% [markdown]
 # ### all_reduce = reduce_scatter + all_gather
@@ -265,7 +273,7 @@ def both_ways(numel):
 
 
 TOLERANCE = 1e-5  # fp32 sums of 4 standard normals: order-dependent rounding is ~1e-7
-for n in sorted({dist.lab_world_size(2), N4}):
+for n in (N2, N4):
     results = launch(both_ways, n, 1024, timeout=60)
     worst = max(diff for diff, _ in results)
     assert worst < TOLERANCE, f"all_reduce and reduce_scatter+all_gather differ by {worst}"
@@ -278,50 +286,41 @@ for n in sorted({dist.lab_world_size(2), N4}):
 # ## 3. Exercise: build collectives out of messages
 #
 # Collectives are built from **point-to-point** messages: `comm.isend(t, dst)`
-# starts sending tensor `t` to rank `dst`, `comm.irecv(t, src)` starts
-# receiving into `t` from rank `src`; both return a handle whose `.wait()`
-# blocks until that transfer is done.
+# starts sending tensor `t` to rank `dst`, `comm.irecv(t, src)` starts receiving
+# into `t` from rank `src`; each returns a handle whose `.wait()` blocks until that
+# transfer is done.
 #
 # The classic algorithm is the **ring**: rank *r* only ever sends to its right
-# neighbour `(r + 1) % N` and receives from its left neighbour `(r - 1) % N`.
-# The tensor is cut into N chunks, and in each of N-1 steps every rank sends
-# one chunk and receives one chunk, all at the same time, so every link is
-# busy all the time. (Start the send *and* the receive before waiting on
-# either: if every rank first waited for its send to finish, nobody would be
-# receiving — a deadlock.)
+# neighbour `(r + 1) % N` and receives from its left neighbour `(r - 1) % N`. The
+# tensor is cut into N chunks; in each of N - 1 steps every rank sends one chunk
+# and receives one, at the same time, so every link is always busy. Start
+# the send *and* the receive before waiting on either: if every rank first waited
+# for its send, nobody would be receiving (a deadlock).
 #
-# **Ring all-gather** on 4 ranks, rank *r* starts with chunk *r*:
-#
-# | step | rank 0 sends → receives | rank 1 | rank 2 | rank 3 |
-# |---|---|---|---|---|
-# | 0 | chunk 0 → chunk 3 | 1 → 0 | 2 → 1 | 3 → 2 |
-# | 1 | chunk 3 → chunk 2 | 0 → 3 | 1 → 0 | 2 → 1 |
-# | 2 | chunk 2 → chunk 1 | 3 → 2 | 0 → 3 | 1 → 0 |
-#
-# Each rank passes on, to the right, the chunk it received in the previous
-# step. After N-1 steps everyone holds all N chunks.
-#
+# Stuck on an exercise? `check.hint("my_all_gather")` prints its next hint (the idea
+# first, then the layout; never the code).
+
+# %% [markdown]
 # ### Exercise 1: `my_all_gather`
 #
-# Fill in the loop. `out.chunk(n)` returns *views*: receiving into
-# `chunks[i]` writes into `out`. The check cell below runs your function at
-# world sizes 2 and 4 against `comm.all_gather`, and tells you what is wrong.
+# **Goal**: every rank returns every rank's `x`, concatenated in rank order (what
+# `comm.all_gather` returns), built from `comm.isend` / `comm.irecv` only. Rank *r*
+# starts with its own chunk; in a ring, each rank passes on to the right what it
+# received in the previous step, so after N - 1 steps every chunk has reached every
+# rank.
 #
-# (There is a lazy way: zeros everywhere except your own slot, then
-# `all_reduce`. It gives the right answer but, as section 2's byte counts
-# show, an all-reduce of the N-chunk tensor sends *twice* the bytes of an
-# all-gather. The check cell therefore asks for isend/irecv only.)
+# **Target**: each rank sends N - 1 chunks of `x`'s size, one per step, and nothing
+# else. The check runs your function on 2 and 4 ranks beside `comm.all_gather`,
+# counts the bytes your sends recorded, and says which chunk went where if one is
+# misplaced. (Zero-padding `x` and calling `all_reduce` gives the right values at
+# twice the bytes: the check refuses the library's collectives.)
 
 # %%
 def my_all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D ``x`` concatenated in rank order, using only comm.isend / comm.irecv."""
+    """Every rank's 1-D ``x`` concatenated in rank order (n * x.numel() elements), built from isend / irecv."""
     n, r = dist.world_size(), dist.rank()
     # BEGIN SOLUTION
-    # HINT: the output holds n chunks of x's size (on x's device); chunk r is your own x; your right neighbour
-    # HINT: is the next rank round the ring, your left one the previous.
-    # HINT: n - 1 steps; in each, comm.isend to the right the chunk you got in the previous step (your
-    # HINT: own at step 0), comm.irecv from the left into the chunk that comes next, then wait on both.
-    # HINT: The table above gives the chunk indices.
+    # HINT: n - 1 ring steps: isend right, irecv from the left. More: check.hint('my_all_gather')
     out = x.new_empty(n * x.numel())
     chunks = out.chunk(n)  # views into out, one per rank
     chunks[r].copy_(x)
@@ -342,34 +341,26 @@ check.ring_all_gather(my_all_gather)
 # %% [markdown]
 # ### Exercise 2: `my_reduce_scatter`
 #
-# The same ring, but instead of *copying* what arrives, each rank **adds** it
-# to its own copy of that chunk, and passes the growing partial sum on. Rank
-# *r* starts by sending its chunk `r - 1`; at step *s* it sends chunk
-# `(r - s - 1) % N` and receives chunk `(r - s - 2) % N`, which it adds to its
-# own. After N-1 steps, the chunk it received last — chunk *r* — holds the
-# contributions of all N ranks.
+# **Goal**: rank *r* returns chunk *r* of the sum over all ranks of `x` (what
+# `comm.reduce_scatter` returns), built from `comm.isend` / `comm.irecv` only,
+# leaving the caller's `x` unchanged. The same ring, but instead of *copying* what
+# arrives, a rank **adds** it into its own copy of that chunk and passes the growing
+# partial sum on. Each chunk's sum must visit every rank and arrive, complete, at its
+# owner in the last step: which chunk must a rank send first for that to happen?
 #
-# | step | rank 0 sends → adds into | rank 1 | rank 2 | rank 3 |
-# |---|---|---|---|---|
-# | 0 | chunk 3 → chunk 2 | 0 → 3 | 1 → 0 | 2 → 1 |
-# | 1 | chunk 2 → chunk 1 | 3 → 2 | 0 → 3 | 1 → 0 |
-# | 2 | chunk 1 → chunk 0 | 2 → 1 | 3 → 2 | 0 → 3 |
-#
-# The check cell tells you if a chunk ends up on the wrong rank, or with
-# some rank's contribution missing or counted twice.
+# **Target**: N - 1 sends of S / N bytes per rank. The check's inputs are chosen so
+# that the digits of a sum tell which ranks were added: it says which chunk ended
+# on the wrong rank, or whose contribution is missing or counted twice.
 
 # %%
 def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
-    """Chunk ``rank`` of the sum over ranks of the 1-D ``x``, using only comm.isend / comm.irecv."""
+    """Chunk ``rank`` (x.numel() / n elements) of the sum over ranks of the 1-D ``x``, built from isend / irecv."""
     n, r = dist.world_size(), dist.rank()
     if x.numel() % n:
         raise ValueError(f"my_reduce_scatter: x has {x.numel()} elements, not a multiple of the "
                          f"world size {n}; pad it first (comm.pad_to_multiple)")
     # BEGIN SOLUTION
-    # HINT: work on a copy of x (the caller's tensor must not change), cut into n chunks (views), with a buffer
-    # HINT: of one chunk for what arrives. n - 1 steps; in each, comm.isend one of your chunks to the right,
-    # HINT: comm.irecv into the buffer from the left, wait on both, then add the buffer into your own copy of
-    # HINT: that chunk. The table above gives the chunk indices; you must end with chunk r complete.
+    # HINT: the ring again, adding what arrives; end with chunk r. More: check.hint('my_reduce_scatter')
     acc = x.clone()        # our running partial sums; we must not modify the caller's tensor
     chunks = acc.chunk(n)  # views into acc
     incoming = torch.empty_like(chunks[0])
@@ -389,32 +380,25 @@ def my_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
 check.ring_reduce_scatter(my_reduce_scatter)
 
 # %% [markdown]
-# ### Exercise 3: a ring all-reduce, and what it sends
+# ### Exercise 3: a ring all-reduce, what it sends, and bus bandwidth
 #
-# With the identity of section 2, a ring all-reduce is your reduce-scatter
-# followed by your all-gather. Real tensors rarely divide by N: pad the
-# tensor with zeros to a multiple of N elements (zeros do not change a sum),
-# reduce, and cut the padding off the result. How many bytes does **one rank
-# send** for a tensor of S bytes on N ranks? In each of the two halves it
-# sends N-1 chunks of S/N bytes. Write both; the check runs your all-reduce
-# under a tracer, adds up the bytes of every `send` it recorded, and holds
-# them against your formula and against the `ring_bytes` that
-# `comm.all_reduce` records for a tensor of the same size.
-#
-# Those bytes are also how bandwidth is compared across collectives (nccl-tests
-# does it, section 4 uses it): the **bus bandwidth** of a call that took `t`
-# seconds on a tensor of S bytes is the bytes one rank put on its link per second,
-# `algbw × factor` with `algbw = S / t` and the ring factor: your formula's
-# `2(N-1)/N` for all-reduce, `(N-1)/N` for all-gather (S = its output) and
-# reduce-scatter (S = its input). Write `bus_bandwidth` too.
+# * `my_all_reduce(x)`: the sum over ranks of a 1-D `x` of **any** length, on every
+#   rank, from your two ring functions (section 2's identity). Zeros do not change a
+#   sum. Target: equal to `comm.all_reduce` within 1e-5.
+# * `ring_bytes_sent(S, N)`: the bytes one rank sends in your ring all-reduce of an
+#   S-byte tensor. Target: the bytes the tracer records for your ring's sends.
+# * `bus_bandwidth(op, S, t, N)`: nccl-tests' **bus bandwidth** of one call of `op`
+#   (`"all_reduce"`; `"all_gather"`, S its output; `"reduce_scatter"`, S its input)
+#   that took `t` seconds: the bytes one rank puts on its link per second with a
+#   ring. The *algorithm bandwidth* S / t says how fast your tensor got done; bus
+#   bandwidth compares across collectives, world sizes and the hardware's link speed.
+#   Target: the library's ring bytes per second, for all three collectives.
 
 # %%
 def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of the 1-D ``x`` (any number of elements), on every rank."""
     # BEGIN SOLUTION
-    # HINT: an all-reduce is a reduce-scatter followed by an all-gather, your two functions; first pad x with zeros
-    # HINT: to a multiple of the world size (comm.pad_to_multiple), and at the end keep only the first
-    # HINT: x.numel() elements.
+    # HINT: your two ring functions, in the right order. More: check.hint('my_all_reduce')
     padded = comm.pad_to_multiple(x, dist.world_size())
     summed = my_all_gather(my_reduce_scatter(padded))
     return summed[:x.numel()]
@@ -424,7 +408,7 @@ def my_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def ring_bytes_sent(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of an ``nbytes`` tensor over ``world_size`` ranks."""
     # BEGIN SOLUTION
-    # HINT: two halves, each n - 1 chunks of nbytes / n bytes.
+    # HINT: count one rank's sends and their size. More: check.hint('ring_bytes_sent')
     return 2 * (world_size - 1) * nbytes // world_size
     # END SOLUTION
 
@@ -432,8 +416,7 @@ def ring_bytes_sent(nbytes: int, world_size: int) -> int:
 def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> float:
     """nccl-tests' bus bandwidth (bytes/s) of one call of ``op`` on a tensor of ``nbytes`` that took ``seconds``."""
     # BEGIN SOLUTION
-    # HINT: the algorithm bandwidth is the tensor's bytes over the time; the bus bandwidth multiplies it by the
-    # HINT: fraction of those bytes one rank sends with a ring, which depends on the collective.
+    # HINT: S / t, scaled by the share of S one rank sends. More: check.hint('bus_bandwidth')
     n = world_size
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[op]
     algbw = nbytes / seconds
@@ -446,13 +429,13 @@ def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> floa
 check.ring_all_reduce(my_all_reduce, ring_bytes_sent, bus_bandwidth)
 
 # %% [markdown]
-# Notice: the bytes a rank sends, `2(N-1)/N · S`, *barely depend on N* — just
+# Notice: the bytes a rank sends, `2(N-1)/N · S`, *barely depend on N*: just
 # under `2S` however many ranks there are. That is why ring all-reduce scales:
 # adding ranks adds steps, not bytes per link.
 #
 # How does your ring compare with the library's all-reduce (gloo's C++ code,
 # or NCCL's on GPUs)? Same bytes, but yours pays Python overhead and waits at
-# each of its 2(N-1) steps. Timed on 4 ranks (or fewer GPUs), median of a few calls:
+# each of its 2(N-1) steps. Timed on 4 ranks, median of a few calls:
 
 # %%
 def time_my_ring_and_library(numel, repeats):
@@ -485,15 +468,17 @@ for numel in (1024, 256 * 1024):  # 4 KiB and 1 MiB of fp32
 # %% [markdown]
 # ### Exercise 4: draw your ring
 #
-# The tracer recorded every `send` of your ring as a span (name, start and end
-# in seconds from `time.perf_counter`, `args["bytes"]`). Draw them: one row per
-# rank, one horizontal bar per send, from its start to its end, in
-# **milliseconds after the first send of any rank** (`t0`). Colour the
-# reduce-scatter half (a rank's first N-1 sends) apart from the all-gather half
-# (the last N-1), label the x axis with its unit, and name the rows. The check
-# runs your `my_all_reduce` on 4 ranks, calls your function with the four traces
-# and an empty `ax`, compares each bar with the tracer's spans, and draws the
-# library's `plot.timeline` of the same run under yours.
+# The tracer recorded every `send` of your ring as a span (`name`, `start` and `end`
+# in seconds from `time.perf_counter`, `args["bytes"]`). **Goal**: draw them, one
+# row per rank (y = rank), one horizontal bar per send from its start to its end, in
+# **milliseconds after `t0`**, the first send of any rank; colour the reduce-scatter
+# half of a rank's sends apart from the all-gather half, label the x axis with its
+# unit and name the rows.
+#
+# **Target**: one bar per send span, at the tracer's times. The check runs your
+# `my_all_reduce` on 4 ranks, calls your function with the four traces and an empty
+# `ax`, compares each bar with the spans, and draws the library's `plot.timeline` of
+# the same run under yours.
 
 # %%
 def draw_ring_timeline(traces: list, ax) -> None:
@@ -501,9 +486,7 @@ def draw_ring_timeline(traces: list, ax) -> None:
     sends = {tr.rank: [s for s in tr.comm_spans() if s.name == "send"] for tr in traces}
     t0 = min(s.start for spans in sends.values() for s in spans)
     # BEGIN SOLUTION
-    # HINT: for every rank, walk its sends in order; a send's bar starts (start - t0) in ms after t0 and is
-    # HINT: its duration long, on the row of its rank (matplotlib's horizontal bar, with its left edge given).
-    # HINT: The first half of a rank's sends is the reduce-scatter, the second half the all-gather.
+    # HINT: a bar per send, in ms after t0, on its rank's row. More: check.hint('draw_ring_timeline')
     for rank, spans in sends.items():
         half = len(spans) // 2
         for i, s in enumerate(spans):
@@ -522,6 +505,7 @@ def draw_ring_timeline(traces: list, ax) -> None:
 
 # %%
 # CHECK: one bar per send of your ring, at the tracer's times, one row per rank; the library's drawing below
+# FIGURE
 check.ring_timeline(draw_ring_timeline, my_all_reduce)
 
 # %% [markdown]
@@ -536,27 +520,23 @@ check.ring_timeline(draw_ring_timeline, my_all_reduce)
 #
 # $$ t(S) \approx \alpha + S / B $$
 #
-# where α is a fixed latency per call (software, synchronisation, the first
-# byte's trip) and B a bandwidth. Small messages are **latency-bound** (t
-# barely changes with S), large ones **bandwidth-bound** (t grows with S).
+# with α a fixed latency per call (software, synchronisation, the first byte's
+# trip) and B a bandwidth in bytes per second. Small messages are
+# **latency-bound** (t barely changes with S), large ones **bandwidth-bound** (t
+# grows with S).
 #
-# Two bandwidths are reported by NVIDIA's `nccl-tests`, and by us:
-#
-# * **algorithm bandwidth** `algbw = S / t`, with S the full tensor (the
-#   all-reduce buffer, the all-gather output, the reduce-scatter input). It
-#   says how fast *your* tensor got done, but it changes with the collective
-#   and with N even on the same wires.
-# * **bus bandwidth** `busbw = algbw × factor`, with factor `2(N-1)/N` for
-#   all-reduce and `(N-1)/N` for all-gather and reduce-scatter — the bytes one
-#   rank actually puts on its link per second with a ring (`ring_bytes / t`,
-#   exactly what you counted in exercise 3). It is comparable across
-#   collectives and world sizes, and against the hardware's link speed.
-#
-# The cell below times the three collectives from 4 KiB to 16 MiB at world
-# sizes 2 and 4, from the tracer's comm spans. Before each timed call a
-# barrier lines the ranks up, so that we time the collective and not the wait
-# for a late rank; the time of a call is the slowest rank's (when the last
-# rank has its result); we keep the median over repeats.
+# nccl-tests reports two bandwidths, and so do we: the **algorithm bandwidth**
+# `algbw = S / t` (S the full tensor: the all-reduce buffer, the all-gather output,
+# the reduce-scatter input), which changes with the collective and with N even on
+# the same wires, and your **bus bandwidth** from exercise 3, the bytes one rank
+# puts on its link per second, which does not.
+
+# %% [markdown]
+# The cell below times the three collectives from 4 KiB to 16 MiB on 2 and 4 ranks,
+# from the tracer's comm spans. A barrier lines the ranks up before each timed call,
+# so that we time the collective and not the wait for a late rank; a call's time is
+# the slowest rank's, and we keep the median over repeats. On a VM with fewer GPUs
+# than ranks, the larger world runs CPU ranks: the cell prints each world's backend.
 
 # %%
 SIZES = [4 * 1024 * 4 ** k for k in range(7)]  # 4 KiB ... 16 MiB, bytes of fp32
@@ -565,6 +545,7 @@ REPEATS = 5
 
 
 def time_collectives(sizes, repeats):
+    """This rank's backend, and the trace of ``repeats`` timed calls of each collective at each size."""
     n = dist.world_size()
     tracer = trace.Tracer()
     for nbytes in sizes:
@@ -580,13 +561,14 @@ def time_collectives(sizes, repeats):
                         comm.all_gather_into_tensor(full, shard)
                     else:
                         comm.reduce_scatter_tensor(shard, full)
-    return tracer.trace
+    return dist.backend(), tracer.trace
 
 
-WORLDS = sorted({N2, N4})
+WORLDS = (N2, N4)
 rows = []  # one per timed call: op, world size, S, ring bytes, seconds (slowest rank)
 for n in WORLDS:
-    traces = launch(time_collectives, n, SIZES, REPEATS, timeout=120)
+    backend, traces = zip(*launch(time_collectives, n, SIZES, REPEATS, timeout=120))
+    print(f"{n} ranks: {backend[0]}")
     calls = [[s for s in tr.comm_spans() if s.name in OPS] for tr in traces]
     for same_call in zip(*calls):  # the i-th call of every rank
         s = same_call[0]
@@ -595,6 +577,7 @@ for n in WORLDS:
 print(f"{len(rows)} timed calls")
 
 # %%
+# FIGURE
 plot.bandwidth(rows, title="time per call vs tensor size S (dotted: constant algbw = S / t)",
                xlabel="tensor size S (bytes)")
 
@@ -622,6 +605,7 @@ for op in OPS:
 # collectives can be compared with each other and across world sizes.
 
 # %%
+# FIGURE
 fig, ax = plt.subplots(figsize=(8, 4))
 for op in OPS:
     for n, style in zip(WORLDS, ("-o", "--s")):
@@ -638,14 +622,29 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# Takeaway: with the ring factor taken out, the collectives and world sizes fall near one curve — the
-# link's bandwidth — once messages are large.
+# Takeaway: with the ring factor taken out, the collectives and world sizes fall near
+# one curve (the link's bandwidth) once messages are large.
 #
+# How to read the curves:
+#
+# * On the time plot, a line parallel to the dotted diagonals is bandwidth-bound, a
+#   flat one latency-bound. Where does each curve bend? On the bus-bandwidth plot the
+#   same bend is where the curves level off.
+# * On a laptop the "network" is gloo's TCP over loopback, and the ranks share the
+#   CPU cores: with more ranks than cores, ranks wait for a core and small messages
+#   get slower.
+# * On GPUs with NVLink, nccl-tests reports bus bandwidths close to the link speed
+#   for large messages: the number to compare with the hardware's spec.
+# * FSDP all-gathers one layer's parameters at a time: where on this curve is that,
+#   for a small model? This is why FSDP groups parameters into *flat* buffers.
+
+# %% [markdown]
 # ### Optional deep dive: fitting the α-β model
 #
-# Fitting the α-β model to the all-reduce points (least squares on the
-# measured medians, weighted by 1/t so that small messages count as much as
-# large ones) gives this machine's latency per call and bus bandwidth:
+# Fitting t = α + S/B to the all-reduce points (least squares on the measured
+# medians, S the ring bytes a rank sends, weighted by 1/t so that small messages
+# count as much as large ones) gives this machine's latency per call and bus
+# bandwidth:
 
 # %%
 for n in WORLDS:
@@ -657,21 +656,6 @@ for n in WORLDS:
 print(f"(this machine: {os.cpu_count()} CPU core(s), shared by all the ranks)")
 
 # %% [markdown]
-# How to read the curves:
-#
-# * On the time plot, a line parallel to the dotted diagonals is
-#   bandwidth-bound; a flat one latency-bound. Where does each curve bend?
-#   On the bus-bandwidth plot the same bend is where the curves level off.
-# * Here the "network" is gloo's TCP over the loopback interface between
-#   processes on one machine, and the ranks share the CPU cores printed above: when there are more ranks
-#   than cores, ranks wait for a core, and the latency of small messages grows.
-# * On GPUs with NVLink, nccl-tests reports bus bandwidths close to the link
-#   speed for large messages — that is the number to compare with the
-#   hardware's spec, and the one the cost formulas of later labs use.
-# * FSDP's all-gathers are one layer's parameters at a time: on which part
-#   of this curve do they fall for a small model? This is why FSDP groups
-#   parameters into *flat* buffers rather than one collective per tensor.
-#
 # ## 5. A run's timeline
 #
 # The tracer records compute spans too (`trace.span("forward")`). Here is a
@@ -704,6 +688,7 @@ def toy_data_parallel(steps, dim, rows):
     return tracer.trace
 
 
+# FIGURE
 traces = launch(toy_data_parallel, N2, 3, 256, 1024, timeout=60)
 fig, ax = plot.column_figure(height=2.8)
 plot.timeline(traces, ax=ax, title=f"toy data parallel, {N2} ranks, 3 steps (rank 1 has 3x the data); time in ms")
@@ -751,8 +736,8 @@ for name in ("forward", "backward", "all_reduce", "optimizer"):  # 3 steps x 2 r
 #   (everyone gets one rank's tensor).
 # * all_reduce = reduce_scatter + all_gather, at the same cost: a ring sends
 #   `2(N-1)/N · S` bytes per rank for an all-reduce, `(N-1)/N · S` for each half.
-# * Time is latency plus bytes over bandwidth; bus bandwidth is the number
-#   that compares with the wires.
+# * A call of S bytes takes about α + S/B (latency plus bytes over bandwidth);
+#   bus bandwidth is the number that compares with the wires.
 # * Past one machine, the same worker code runs under `torchrun`: call
 #   `minifsdp.dist.init()` once at the top of the script (it reads torchrun's
 #   environment), then `comm` works as it does here.

@@ -4,9 +4,22 @@
 # %% [markdown]
 # # 01 - Memory anatomy: where training memory goes
 #
-# What stops you from training a bigger model is usually not time but memory: one
-# device must hold, at the same moment,
+# A device holds, at once, parameters, gradients, optimizer state, activations (what
+# the forward keeps for backward) and temporaries. Before sharding them (labs 03, 04),
+# we *predict* each term and *measure* it, to the byte.
 #
+# **You will be able to**: predict a model's parameter, gradient and AdamW bytes from
+# its shapes; find what an op keeps for backward; predict a transformer block's and a
+# GPT's activations; read a training step's memory curve.
+#
+# **Prerequisites**: lab 00 (last section only). **Time**: about 60 minutes of work;
+# the cells compute for about 1 minute on a laptop or a GPU VM (the lab measures on
+# the CPU, where every count is exact).
+#
+# **Symbols**: Ψ = the number of parameters; bytes are k·Ψ (fp32 parameters: 4Ψ).
+# B batch, T sequence, d width, h heads, L layers, V vocabulary.
+
+# %% [markdown]
 # | category | what it is | grows with |
 # |---|---|---|
 # | **parameters** | the weights | model size |
@@ -15,29 +28,10 @@
 # | **activations** | what the forward pass keeps for the backward pass | batch × sequence × layers |
 # | **temporaries** | scratch of the backward pass, freed within it | the largest layer |
 #
-# Sharding (ZeRO, FSDP: labs 03 and 04) divides the first three by the number of
-# devices. Before dividing anything we *measure* each term, exactly, and *predict* it.
-#
-# **You will be able to**: predict, to the byte, the parameter, gradient and AdamW
-# bytes of a model from its shapes; find out what any op keeps for backward; predict
-# the activations of a transformer block and of a whole GPT; read a training step's
-# memory curve and say where its peak is.
-#
-# **Prerequisites**: lab 00 (only for the last section); PyTorch autograd basics.
-# **Time**: about 60 minutes of work; the cells compute for about 1 minute on a laptop
-# (one process, CPU). On a GPU VM the same (the lab measures on the CPU, where every
-# count is exact).
-#
-# **Exercises**: 1. model states from shapes · 2. the MLP's activations · 3. one
-# transformer block's activations · 4. the whole GPT's.
-#
-# **Symbols**: Ψ = the number of parameters of the model; bytes are written in
-# multiples of it (fp32 parameters take 4Ψ bytes). B = batch (sequences), T =
-# sequence length, d = width (`n_embd`), h = heads, L = layers, V = vocabulary.
-#
 # **Tools**: `minifsdp.memory.MemoryTracker` counts the bytes of every live tensor by
 # category, op by op (CPU has no allocator counter, so it watches every op);
-# `minifsdp.estimate` holds the library's formulas, printed beside your predictions.
+# `minifsdp.estimate` holds the library's formulas, printed beside your predictions
+# after each check.
 
 # %%
 import inspect
@@ -113,25 +107,21 @@ for name, shape in mlp_shapes.items():
 # %% [markdown]
 # ### Exercise 1: model states from the shapes alone
 #
-# Write `predict_model_states(shapes)`: given `{parameter name: shape}` of an fp32
-# model trained with `torch.optim.AdamW`, return the bytes of its **parameters**, its
+# **Goal**: `predict_model_states(shapes)`, given `{parameter name: shape}` of an fp32
+# model trained with `torch.optim.AdamW`, returns the bytes of its **parameters**, its
 # **gradients** (after `backward()`) and AdamW's **optimizer state** (after its first
-# `step()`), to the byte. Ψ, the number of parameters, is the sum of the shapes'
-# products.
+# `step()`). **Target**: a real AdamW step of three models, measured by the check, to
+# the byte. Everything you need is in the AdamW algorithm (Loshchilov & Hutter 2019)
+# and in one detail of torch's implementation, which keeps a `step` count per
+# parameter *tensor*. Predict; don't step an optimizer.
 #
-# Everything you need is in the AdamW algorithm (Loshchilov & Hutter 2019: a first
-# and a second moment per weight) and in one detail of torch's implementation: for
-# every parameter *tensor* it also keeps its `step` count as a 0-d fp32 tensor (so
-# that fused and capturable variants can update it on the device). Predict, don't
-# step an optimizer: the check measures a real AdamW step of three models and holds
-# your numbers against it.
+# Then `predict_gpt_params(config)`: Ψ of a GPT **from its config alone**, before any
+# model exists. **Target**: the built model's count, for six configs (biases or not:
+# `config.bias`; tied embeddings or not: `config.tie_embeddings`). The cell below
+# prints gpt-tiny's shapes, where the config's sizes reappear.
 #
-# Then the same for a GPT **from its config alone**, before any model exists (how
-# you size a model you cannot build on one device): `predict_gpt_params(config)`
-# returns Ψ. The cell below prints gpt-tiny's parameter shapes, where the config's
-# sizes (`n_embd` d, `vocab_size` V, `block_size`, `n_layer` L) reappear; `config.bias`
-# says whether the Linear and LayerNorm layers have biases, and with
-# `config.tie_embeddings` the head shares the token embedding's weight (counted once).
+# `check.hint("predict_model_states")` prints an exercise's next hint (idea first,
+# then the layout; never the code).
 
 # %%
 tiny = models.build_model("gpt-tiny")
@@ -145,8 +135,7 @@ print("  (blocks.1 ... have the same shapes as blocks.0)")
 def predict_model_states(shapes: dict) -> dict:
     """{"parameters", "gradients", "optimizer"}: bytes of an fp32 model with these parameter shapes, AdamW."""
     # BEGIN SOLUTION
-    # HINT: Ψ is the total number of elements over all shapes; each category holds some number of fp32
-    # HINT: values per parameter, and AdamW adds one small tensor per parameter tensor.
+    # HINT: bytes per category from Ψ and the tensors. More: check.hint('predict_model_states')
     psi = sum(math.prod(shape) for shape in shapes.values())
     return {
         "parameters": FP32 * psi,
@@ -160,8 +149,7 @@ def predict_gpt_params(config: models.GPTConfig) -> int:
     """Ψ of models.GPT(config), from the config alone."""
     d, V, L = config.n_embd, config.vocab_size, config.n_layer
     # BEGIN SOLUTION
-    # HINT: add up the shapes printed above: the two embeddings, L blocks (two LayerNorms and four Linear
-    # HINT: layers, of widths d, 3d and 4d), the final LayerNorm, and the head unless it is tied.
+    # HINT: add up the shapes printed above. More: check.hint('predict_gpt_params')
     b = 1 if config.bias else 0
     layer_norm = d + b * d                                   # weight, bias
     attention = (d * 3 * d + b * 3 * d) + (d * d + b * d)    # c_attn, c_proj
@@ -173,10 +161,10 @@ def predict_gpt_params(config: models.GPTConfig) -> int:
 
 
 print("the MLP:", predict_model_states(mlp_shapes))
-print("gpt-tiny: Ψ =", predict_gpt_params(tiny.config))
+print("gpt-tiny: Ψ =", predict_gpt_params(tiny.config), "parameters")
 
 # %%
-# CHECK: your bytes against a real AdamW step of three models; your Ψ against built GPTs of five configs
+# CHECK: your bytes against a real AdamW step of three models; your Ψ against built GPTs of six configs
 check.model_states(predict_model_states, predict_gpt_params)
 
 # %% [markdown]
@@ -241,21 +229,22 @@ for name, (fn, *args) in probes.items():
 # nothing; `cross_entropy` keeps its log-softmax output, the labels, and one scalar.
 # When the tensor one op saves is the tensor the next op saves too (relu's output is
 # the next `Linear`'s input), it is stored once.
-#
+
+# %% [markdown]
 # ### Exercise 2: the MLP's activations
 #
-# Write `predict_mlp_activation_bytes(B)`: the bytes the MLP's forward pass and
-# `F.cross_entropy` keep for backward on a batch of `B` samples (inputs `[B, 8]`
-# fp32, labels `[B]` int64), counting the batch itself (the first layer keeps `x`)
-# and not the loss value (an output, not something saved). Go layer by layer with
-# the rules above.
+# **Goal**: `predict_mlp_activation_bytes(B)` returns the bytes the MLP's forward
+# pass and `F.cross_entropy` keep for backward on a batch of `B` samples (inputs
+# `[B, 8]` fp32, labels `[B]` int64), counting the batch itself (the first layer keeps
+# `x`) and not the loss value (an output, not something saved). **Target**: the
+# bytes the check measures for B = 32, 7 and 1, exactly; if you are off, it says how
+# many bytes per sample (or in all) are missing.
 
 # %%
 def predict_mlp_activation_bytes(B: int) -> int:
     """Bytes kept for backward by mlp(x) and cross_entropy on a batch of B (fp32 inputs, int64 labels)."""
     # BEGIN SOLUTION
-    # HINT: list each op of Linear-ReLU-Linear-ReLU-Linear-cross_entropy with what its backward needs
-    # HINT: (the probe above); count a tensor two ops share once; 4 bytes per fp32 value, 8 per int64.
+    # HINT: what each op's backward needs, shared tensors once. More: check.hint('predict_mlp_activation_bytes')
     x = FP32 * B * 8                      # kept by the first Linear
     relu_1 = FP32 * B * 16                # its output, also the second Linear's input: stored once
     relu_2 = FP32 * B * 16                # the same for the second ReLU and the third Linear
@@ -283,12 +272,12 @@ for fn in (models.Block.forward, models.CausalSelfAttention.forward, models.Feed
 # %% [markdown]
 # ### Exercise 3: one block's activations
 #
-# Write `predict_block_activation_bytes(config, B, T)`: the bytes one `Block` keeps
-# for backward on an fp32 input `[B, T, d]`, **its input included** (the block's first
-# LayerNorm keeps it; in a GPT that is the residual stream, and nobody else keeps it),
-# its output not (the next block's LayerNorm keeps that). `config.n_embd` is d,
-# `config.n_head` is h. Run the probe on any op you are unsure of. The check measures
-# six shapes and, if you are off, says what *kind* of tensor is missing (per token,
+# **Goal**: `predict_block_activation_bytes(config, B, T)` returns the bytes one
+# `Block` keeps for backward on an fp32 input `[B, T, d]`, **its input included** (the
+# block's first LayerNorm keeps it; in a GPT that is the residual stream), its output
+# not (the next block keeps that). `config.n_embd` is d, `config.n_head` is h. Run the
+# probe on any op you are unsure of. **Target**: a measured `Block` at six shapes,
+# exactly; if you are off, the check says what *kind* of tensor is missing (per token,
 # per token and feature, per pair of positions).
 
 # %%
@@ -296,9 +285,7 @@ def predict_block_activation_bytes(config: models.GPTConfig, B: int, T: int) -> 
     """Bytes saved for backward by models.Block(config) on an fp32 [B, T, d] input (input included)."""
     d, h = config.n_embd, config.n_head
     # BEGIN SOLUTION
-    # HINT: walk Block.forward: two LayerNorms, the attention (its Linear layers, q k v for the two matmuls,
-    # HINT: the softmax), the MLP (two Linear layers around a GELU 4d wide). Count values per kind: B*T*d,
-    # HINT: B*T, and B*h*T*T; then 4 bytes each.
+    # HINT: walk Block.forward op by op. More: check.hint('predict_block_activation_bytes')
     btd = B * T * d
     saved = {                             # fp32 values each op keeps for its backward
         "ln_1 input": btd,                # the block's input
@@ -324,10 +311,12 @@ check.block_activations(predict_block_activation_bytes)
 # %% [markdown]
 # ### Exercise 4: the whole GPT
 #
-# Now `predict_gpt_activation_bytes(config, B, T)` for `lm_loss(model(x), y)` of a
-# `models.GPT`, using your block formula L times. What is left is outside the blocks:
-# read `GPT.embed`, `GPT.unembed` and `lm_loss` below (the token ids `x` and targets `y`
-# are int64 and count; the loss value does not).
+# **Goal**: `predict_gpt_activation_bytes(config, B, T)` returns the bytes
+# `lm_loss(model(x), y)` of a `models.GPT` keeps for backward, using your block
+# formula L times. What is left is outside the blocks: read `GPT.embed`, `GPT.unembed`
+# and `lm_loss` below (the token ids `x` and targets `y` are int64 and count; the loss
+# value does not). **Target**: measured forward passes with B, T, L and V varied,
+# exactly.
 
 # %%
 for fn in (models.GPT.forward, models.GPT.embed, models.GPT.unembed, models.lm_loss):
@@ -339,9 +328,7 @@ def predict_gpt_activation_bytes(config: models.GPTConfig, B: int, T: int) -> in
     d, V = config.n_embd, config.vocab_size
     blocks = config.n_layer * predict_block_activation_bytes(config, B, T)
     # BEGIN SOLUTION
-    # HINT: outside the blocks: the two embedding lookups keep their ids (token ids, and the positions),
-    # HINT: the final LayerNorm and the head keep what a LayerNorm and a Linear keep, and the loss keeps what
-    # HINT: cross_entropy keeps (its log-softmax is over V classes for every token).
+    # HINT: L blocks plus what is kept outside them. More: check.hint('predict_gpt_activation_bytes')
     outside = {
         "token ids": INT64 * B * T,
         "position ids": INT64 * T,
@@ -438,6 +425,7 @@ def mark_snapshots(ax, samples, peaks=()):
         ax.plot((s.time - t0) * 1e3, peak / MiB, "v", mfc="none", mec="k")
 
 
+# FIGURE
 fig = plot.memory(gpt_tracker.samples,
                   title=f"{GPT_NAME}: two AdamW steps on batches of {B_GPT} x {T_GPT} tokens")
 ax = fig.axes[0]
@@ -447,6 +435,9 @@ ax.set_xlabel("time (ms, the tracker's overhead included)")
 fig
 
 # %% [markdown]
+# Takeaway: the step's peak is not the sum of the categories; which of them are alive
+# together decides it.
+#
 # Read the curve from the left: parameters are there from the start. The forward
 # pass piles up activations; `backward()` turns them into gradients (it frees each
 # layer's saved tensors once that layer's gradient is done), with temporaries on
@@ -566,6 +557,7 @@ print(f"{len(batches_sweep) + len(seqs_sweep)} forward passes measured in "
       f"{time.perf_counter() - t0:.2f} s")
 
 # %%
+# FIGURE
 def attention_probs_bytes(config, batch, seq_len):
     return config.n_layer * estimate.gpt_layer_activation_breakdown(
         config, batch, seq_len)["attention probs"]
@@ -596,6 +588,10 @@ fig.suptitle(f"gpt-tiny with block_size 512 (d={long_cfg.n_embd}, h={long_cfg.n_
              f"L={long_cfg.n_layer}, V={long_cfg.vocab_size}), fp32")
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# Takeaway: activations grow linearly with the batch B, and faster than linearly with
+# the sequence length T, because the attention probabilities grow with T².
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -697,8 +693,9 @@ assert abs(mean_loss - single_loss) < 1e-5, "the two halves of the batch should 
 # et al. 2020) removes that redundancy in stages: stage 1 shards the optimizer
 # state over the `N` ranks, stage 2 the gradients too, stage 3 (= FSDP
 # `FULL_SHARD`) the parameters as well. The paper's example is a 7.5B-parameter
-# model on 64 GPUs with mixed-precision Adam (2-byte parameters and gradients,
-# 12 bytes of fp32 optimizer state per parameter):
+# model (Ψ = 7.5·10⁹ parameters) on 64 GPUs with mixed-precision Adam: per parameter,
+# 2 bytes of fp16 weight, 2 of gradient and 12 of fp32 optimizer state, (2 + 2 + 12)·Ψ
+# = 16Ψ bytes in all:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -713,6 +710,7 @@ for stage, name in [(0, "0 (DDP)"), (1, "1 (optimizer)"), (2, "2 (+gradients)"),
 print("\n".join(out))
 
 # %%
+# FIGURE
 fig, ax = plt.subplots(figsize=(7, 3.5))
 left = [0.0] * len(zero_rows)
 for cat in ("parameters", "gradients", "optimizer"):
@@ -726,6 +724,11 @@ ax.set_title(f"{PSI / 1e9:.1f}B parameters, {N} GPUs, mixed-precision Adam (esti
 ax.legend()
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# Takeaway: each ZeRO stage divides one more category by N = 64, taking the model
+# states from 120 GB per GPU (DDP) to 31.4, 16.6 and 1.9 GB; stage 1 alone removes
+# the largest, the optimizer state (12 of the 16 bytes per parameter).
 
 # %% [markdown]
 # Lab 03 builds stages 1 and 2 and measures them with this same tracker; lab 04
