@@ -15,7 +15,7 @@ medians and ratios (minifsdp / torch):
   comm hook for DDP's C++ all-reduce), so both columns are measured. The
   third column, *expected*, is ``estimate.comm_bytes_per_step`` for the
   model's structure (``expected_bytes``), padding included; minifsdp must
-  move exactly that. *paper* is the ZeRO paper's kΨ (``estimate.paper_comm_bytes``).
+  move exactly that. *paper* is the ZeRO paper's k·4Ψ bytes for Ψ fp32 parameters (``estimate.paper_comm_bytes``).
 * same losses — both sides' losses agree (rel 1e-5): they trained the same.
 * ``--pin-malloc`` fixes glibc's malloc thresholds for every worker of both
   sides (``PINNED_MALLOC``). glibc raises its mmap threshold to the largest
@@ -221,11 +221,11 @@ def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int 
     forward all-reduces 16-bit under autocast (``forward_elem=2``), all but the loss's under fsdp+tp's policy.
     ``%fp16`` adds the sharded gradient scaler's found-inf all-reduce (8 B) where gradients are sharded.
 
-    ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's kΨ
+    ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's k·4Ψ
     (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
 
-    >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42880 x 4 B = 171520 B
-    >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3Ψ; 3Ψ - Ψ_root
+    >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42,880 parameters, 4Ψ = 171,520 B
+    >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3·4Ψ; 3·4Ψ - 4Ψ_root
     (514560, 444672, 273152)
     """
     model = models.build_model(model_name)
@@ -362,7 +362,7 @@ def activation_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-_PAPER_LABEL = {k: f"{v}Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}
+_PAPER_LABEL = {k: f"{v}·4Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}  # Ψ fp32 parameters
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -21,8 +21,8 @@ What each collective does, with 2 ranks (rank 0 holds ``a``, rank 1 ``b``):
 Bytes, two conventions (both recorded on every span):
 
 * ``bytes`` — the *volume* of the collective in the ZeRO paper's units: an
-  all-gather or reduce-scatter of a Ψ-byte tensor moves Ψ, an all-reduce 2Ψ,
-  a broadcast or send Ψ. DDP costs 2Ψ per step, ZeRO-3 3Ψ.
+  all-gather or reduce-scatter of an S-byte tensor moves S, an all-reduce 2S,
+  a broadcast or send S. DDP costs 2·4Ψ bytes per step for Ψ fp32 parameters, ZeRO-3 3·4Ψ.
 * ``ring_bytes`` — what one rank actually sends with a ring algorithm:
   ``(N-1)/N`` of the above (a rank never sends itself its own chunk). This is
   the number to divide by time for a link's bandwidth ("bus bandwidth" in
@@ -246,7 +246,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM
     """Rank ``dst`` (global) ends with the reduction of every rank's ``tensor``; elsewhere it is scratch.
 
     rank 0 holds [1, 2], rank 1 holds [3, 4]; reduce to dst=1  ->  rank 1 holds [4, 6]
-    (FairScale's ZeRO-2 sends each gradient to its owner this way: volume Ψ.)
+    (FairScale's ZeRO-2 sends each gradient to its owner this way: volume S, the gradient's bytes.)
     """
     dist.require_initialized("comm.reduce")
     _check_same_everywhere("reduce", tensor.numel(), group)

@@ -13,7 +13,7 @@ number of bytes (or a fraction); ``format_bytes`` makes it readable.
 * Communication per optimizer step: ``comm_bytes_per_step`` is exact (padding,
   FSDP's root rule; what ``minifsdp.comm`` records, to the byte, for every
   strategy: ``python -m minifsdp.bench`` and tests/test_bytes_agree.py hold
-  it to that), ``paper_comm_bytes`` the ZeRO paper's kΨ (section 7).
+  it to that), ``paper_comm_bytes`` the ZeRO paper's k·4Ψ bytes (section 7).
 * Activation memory of ``models.GPT``, counted from the tensors that autograd
   saves for backward in *this* implementation (compare Korthikanti et al.
   2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -332,11 +332,11 @@ def gpt_checkpoint_activation_bytes(
 # --------------------------------------------------------------------------
 
 # What each strategy's collectives are, in ``comm``'s volume convention (an
-# all-reduce of S bytes counts 2S, every other collective S). Ψ = parameter bytes.
+# all-reduce of S bytes counts 2S, every other collective S). P = parameter bytes (4Ψ for Ψ fp32 parameters).
 COMM_STRATEGIES = ("ddp", "zero1", "zero2", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 _COMM_ALIASES = {"ddp-naive": "ddp", "oss": "zero1", "zero3": "full_shard", "fsdp": "full_shard"}
-# The ZeRO paper's count (section 7), in multiples of Ψ: its ZeRO-1 and ZeRO-2
-# both reduce-scatter gradients and all-gather parameters (2Ψ); stage 3 gathers twice.
+# The ZeRO paper's count (section 7), in multiples of the parameter bytes P: its ZeRO-1 and ZeRO-2
+# both reduce-scatter gradients and all-gather parameters (2P); stage 3 gathers twice.
 ZERO_PAPER_PSI = {"ddp": 2, "no_shard": 2, "zero1": 2, "zero2": 2, "shard_grad_op": 2, "full_shard": 3}
 
 
@@ -368,18 +368,18 @@ def comm_bytes_per_step(
     ``"total"`` sums them. ``n_params`` is the parameter count, or for FSDP
     the sizes of the wrapped units *other than the root*; ``root_numel`` is
     the root unit's (what no wrapped unit holds: embeddings, final norm, head).
-    With Ψ = parameter bytes (root included):
+    With P = parameter bytes, root included (P = 4Ψ for Ψ fp32 parameters):
 
     ==============  =====================================================  =====
     strategy        collectives per step                                   total
     ==============  =====================================================  =====
-    ddp             all_reduce gradients 2Ψ (+ broadcast buffers)          2Ψ
-    zero1           all_reduce 2Ψ, owners broadcast parameters Ψ (+ bufs)  3Ψ
-    zero2           reduce each gradient to its owner Ψ, broadcast Ψ       2Ψ
-    full_shard      all_gather 2Ψ − Ψ_root, reduce_scatter Ψ               3Ψ − Ψ_root
-    shard_grad_op   all_gather Ψ, reduce_scatter Ψ                         2Ψ
-    no_shard        all_reduce 2Ψ                                          2Ψ
-    hybrid_shard    full_shard in groups of S, all_reduce 2Ψ/S across them
+    ddp             all_reduce gradients 2P (+ broadcast buffers)          2P
+    zero1           all_reduce 2P, owners broadcast parameters P (+ bufs)  3P
+    zero2           reduce each gradient to its owner P, broadcast P       2P
+    full_shard      all_gather 2P − P_root, reduce_scatter P               3P − P_root
+    shard_grad_op   all_gather P, reduce_scatter P                         2P
+    no_shard        all_reduce 2P                                          2P
+    hybrid_shard    full_shard in groups of S, all_reduce 2P/S across them
     ==============  =====================================================  =====
 
     * ``zero1``/``"oss"`` is FairScale's OSS (and torch's
@@ -459,11 +459,12 @@ def comm_bytes_per_step(
 
 
 def paper_comm_bytes(n_params: int, strategy: str, dtype: DType = torch.float32) -> int:
-    """The ZeRO paper's volume per step (section 7), kΨ: ``ZERO_PAPER_PSI[strategy]`` × Ψ.
+    """The ZeRO paper's volume per step (section 7), k·P: ``ZERO_PAPER_PSI[strategy]`` × the parameter bytes.
 
     The textbook number that ``comm_bytes_per_step`` refines: the paper's
-    ZeRO-1 reduce-scatters gradients (2Ψ) where FairScale's OSS all-reduces
-    them (3Ψ), and it neither pads nor keeps the root unit gathered.
+    ZeRO-1 reduce-scatters gradients and gathers parameters (2P, P = 4Ψ bytes
+    for Ψ fp32 parameters) where FairScale's OSS all-reduces then broadcasts
+    (3P), and it neither pads nor keeps the root unit gathered.
 
     >>> paper_comm_bytes(1000, "full_shard"), paper_comm_bytes(1000, "oss")   # 3Ψ, 2Ψ
     (12000, 8000)

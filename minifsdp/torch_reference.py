@@ -25,8 +25,8 @@ in ``fsdp/_runtime_utils.py``, ``dist.all_reduce`` for NO_SHARD / HYBRID_SHARD,
 ``dist._broadcast_coalesced`` for DDP's buffers before each forward). ``count_collectives()``
 swaps those attributes for recording wrappers while a torch strategy trains,
 so the tracer sees torch's calls in the same units as minifsdp's
-(``comm.collective_bytes``: an all-gather of a Ψ-byte tensor moves Ψ, an
-all-reduce 2Ψ). torch DDP's all-reduce is issued from C++ (the Reducer), out
+(``comm.collective_bytes``: an all-gather of an S-byte tensor moves S, an
+all-reduce 2S). torch DDP's all-reduce is issued from C++ (the Reducer), out
 of reach of such a patch: a DDP communication hook (``register_comm_hook``)
 hands each bucket back to Python, where torch's own default ``allreduce_hook``
 calls ``dist.all_reduce`` -- which the counter then sees. DTensor (torch-tp,
@@ -233,7 +233,7 @@ def _ddp(model: torch.nn.Module, cfg: Any) -> torch.nn.parallel.DistributedDataP
 
 
 def torch_ddp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's DDP + AdamW: the reference for minifsdp.ddp (2Ψ per step)."""
+    """torch's DDP + AdamW: the reference for minifsdp.ddp (2P per step, P = parameter bytes = 4Ψ in fp32)."""
     wrapped = _ddp(model, cfg)
     return wrapped, _adamw(wrapped.parameters(), cfg)
 
@@ -241,9 +241,9 @@ def torch_ddp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.
 def torch_zero1(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """torch's DDP + ZeroRedundancyOptimizer(AdamW): ZeRO-1, the reference for minifsdp's zero1 (OSS).
 
-    Gradients are all-reduced whole (DDP, 2Ψ); each rank steps the AdamW
-    state of the parameters it owns, then broadcasts them (Ψ): 3Ψ per step,
-    the same traffic as minifsdp's OSS (the ZeRO paper's ZeRO-1 counts 2Ψ with
+    Gradients are all-reduced whole (DDP, 2P); each rank steps the AdamW
+    state of the parameters it owns, then broadcasts them (P): 3P per step,
+    the same traffic as minifsdp's OSS (the ZeRO paper's ZeRO-1 counts 2P with
     a reduce-scatter instead; both torch and FairScale do the all-reduce).
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer

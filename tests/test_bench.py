@@ -72,7 +72,7 @@ def test_bench_pair_writes_ratios(tmp_path):
     assert row["peak_ratio"] == pytest.approx(row["peak_bytes"][ours] / row["peak_bytes"][theirs])
     assert row["bytes_per_step"][ours] == row["bytes_per_step"][theirs] == row["bytes_expected"]
     assert row["bytes_match"] and row["same_losses"]
-    assert f"| 2 | {ours} | {theirs} |" in bench.table(rows) and "| 2Ψ = " in bench.table(rows)
+    assert f"| 2 | {ours} | {theirs} |" in bench.table(rows) and "| 2·4Ψ = " in bench.table(rows)
 
 
 def test_activation_rows_measure_what_estimate_predicts():

@@ -29,10 +29,10 @@ tensor object must survive so those saved views see the memory again once the
 pre-backward gather refills the same storage. Refills go through ``.data`` so
 the version counter autograd checks does not move.
 
-Bytes per step (comm's volume convention, Ψ = parameter bytes, padded): Ψ
-all-gathered in forward, Ψ again in backward, Ψ reduce-scattered: **3Ψ**, the
+Bytes per step (comm's volume convention, P = parameter bytes, padded): P
+all-gathered in forward, P again in backward, P reduce-scattered: **3P**, the
 root included. (``FullyShardedDataParallel`` keeps the root gathered from
-forward to backward, as torch does, and so moves ``3Ψ - Ψ_root``.)
+forward to backward, as torch does, and so moves ``3P - P_root``.)
 
     >>> model = NaiveFullyShardedDataParallel(build_model("gpt-tiny"), unit_types={Block})  # in launch(fn, N)
     >>> opt = torch.optim.AdamW(model.parameters())        # after wrapping: the shards

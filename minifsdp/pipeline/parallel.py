@@ -23,8 +23,8 @@ in DDP's buckets, overlapped with that backward. One step on rank 0
     rank 0 (stage 0):  F0 F1 B0 F2 B1 F3 B2 [B3 + all-reduce buckets over {0, 2}]
     rank 1 (stage 1):  F0 B0 F1 B1 F2 B2 F3 [B3 + all-reduce buckets over {1, 3}]
 
-Bytes per step and rank: one all-reduce of the stage's gradients, 2Ψ_stage
-(``estimate.comm_bytes_per_step(stage params, dp, "ddp")``; buffers are not
+Bytes per step and rank: one all-reduce of the stage's gradients, 2P_stage
+(P_stage = the stage's parameter bytes; ``estimate.comm_bytes_per_step(stage params, dp, "ddp")``; buffers are not
 broadcast: a GPT's only buffer is its constant causal mask), plus the
 activations and gradients the pipeline sends.
 

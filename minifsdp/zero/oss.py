@@ -25,10 +25,10 @@ parameters to the others:
     >>> opt.consolidate_state_dict(0)   # every rank calls it
     >>> full = opt.state_dict()         # on rank 0: same as one AdamW's state_dict
 
-Bytes per step (comm's volume convention, Ψ = bytes of the parameters it holds): the
-gradient all-reduce moves 2Ψ, re-assembling the parameters by broadcast from
-their owners moves Ψ, so FairScale-style ZeRO-1 costs **3Ψ** where DDP costs
-2Ψ. (The ZeRO paper reaches 2Ψ for stage 1 too by replacing the all-reduce
+Bytes per step (comm's volume convention, P = bytes of the parameters it holds): the
+gradient all-reduce moves 2P, re-assembling the parameters by broadcast from
+their owners moves P, so FairScale-style ZeRO-1 costs **3P** where DDP costs
+2P. (The ZeRO paper reaches 2P for stage 1 too by replacing the all-reduce
 with a reduce-scatter, which is what stage 2 does: see ``sharded_dp.py``.)
 ``estimate.comm_bytes_per_step(n_params, N, "zero1")`` gives these bytes exactly.
 Optimizer state per rank: the state of the owned parameters only, ≈ 1/N.
@@ -56,7 +56,7 @@ def partition_parameters(params: list[torch.Tensor], world_size: int) -> list[in
 
     This is the "longest processing time first" heuristic. FairScale's
     ``partition_parameters`` does the same greedy fill (least-loaded rank
-    first); sorting by size first keeps the ranks closer to Ψ/N each. Ties
+    first); sorting by size first keeps the ranks closer to P/N each. Ties
     break by position, so every rank computes the same answer on its own.
 
     >>> ps = [torch.zeros(10), torch.zeros(7), torch.zeros(5), torch.zeros(4)]
@@ -84,7 +84,7 @@ def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def all_reduce_gradients(module: torch.nn.Module, group: ProcessGroup | None = None) -> None:
-    """Average every gradient over the ranks (plain DDP after backward; volume 2Ψ).
+    """Average every gradient over the ranks (plain DDP after backward; volume 2P).
 
     The non-overlapped, one-call-per-tensor version, good for reading; the
     ``ShardedDataParallel(..., shard_gradients=False)`` wrapper does the same
@@ -117,7 +117,7 @@ class OSS(torch.optim.Optimizer):
     parameters of one owner travel packed together in flat buffers up to this
     size, bigger ones alone; 0 broadcasts every parameter by itself, -1
     (FairScale's "unset", the default) means 1 MiB. ``broadcast_fp16=True``
-    sends the updated parameters as fp16 (Ψ/2 bytes instead of Ψ for fp32) and
+    sends the updated parameters as fp16 (P/2 bytes instead of P for fp32) and
     every rank, the owner too, keeps the fp16-rounded values, as FairScale
     does, so the replicas stay identical. ``force_broadcast_object`` is
     accepted for FairScale's sake and changes nothing.
@@ -193,7 +193,7 @@ class OSS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
-        """Re-assemble the model: Ψ bytes per step, each parameter once, from its owner."""
+        """Re-assemble the model: P bytes per step, each parameter once, from its owner."""
         if self.world_size == 1:
             return
         in_flight = []

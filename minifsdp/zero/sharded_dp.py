@@ -21,12 +21,12 @@ gradients of its own shard, ≈ 1/N of them:
     >>> lm_loss(model(x), y).backward()   # grads reduced to owners during backward
     >>> opt.step(); opt.zero_grad()
 
-Bytes per step (comm's volume convention, Ψ = bytes of the parameters the
+Bytes per step (comm's volume convention, P = bytes of the parameters the
 OSS holds; ``estimate.comm_bytes_per_step(n_params, N, "zero2")`` computes
-it): the reduces move Ψ (each gradient once) and the parameter broadcasts Ψ:
-**2Ψ**, the same as DDP's all-reduce, for 1/N of the gradient and optimizer
+it): the reduces move P (each gradient once) and the parameter broadcasts P:
+**2P**, the same as DDP's all-reduce, for 1/N of the gradient and optimizer
 memory. With ``shard_gradients=False`` the wrapper all-reduces instead:
-ZeRO-1, 3Ψ. (The paper's ZeRO-2 is also 2Ψ, as a reduce-scatter plus an
+ZeRO-1, 3P. (The paper's ZeRO-2 is also 2P, as a reduce-scatter plus an
 all-gather: the same volume, different collectives.)
 
 Why ``reduce`` and not a flat reduce-scatter? OSS owns *whole* parameters
@@ -183,7 +183,7 @@ class ShardedDataParallel(nn.Module):
         self._in_flight.append((p, handle))
         # Free what has arrived; if too many bytes of other ranks' gradients are still
         # in flight, wait for the oldest. Without this bound, reduces queue up behind
-        # each other (always so on CPU/gloo) and the peak during backward is ~Ψ again.
+        # each other (always so on CPU/gloo) and the peak during backward is ~P again.
         self._release(wait_until=self.max_inflight_bytes)
 
     def _inflight_foreign_bytes(self) -> int:

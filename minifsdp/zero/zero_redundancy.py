@@ -10,7 +10,7 @@ the import::
     opt.step()                         # step this rank's shard, then broadcast from the owners
     opt.consolidate_state_dict(to=0)   # every rank; then opt.state_dict() on rank 0
 
-The mechanism is ``OSS`` (same partition, same 3Ψ per step with DDP); this file
+The mechanism is ``OSS`` (same partition, same 3P per step with DDP, P = parameter bytes); this file
 only translates the arguments. Read first: ``oss.py``.
 """
 
