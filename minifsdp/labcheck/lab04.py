@@ -4,105 +4,276 @@ The learner builds, on a multi-unit GPT (each transformer ``Block`` a unit, the
 root holding the rest), the four moments of FSDP: a pre-forward hook that
 all-gathers the unit, a post-forward hook that frees it, a pre-backward gather
 and a post-backward reduce-scatter (``minifsdp/fsdp/naive.py`` is the same cycle
-in the library). Each check runs the learner's code on several ranks through
-the lab's scaffolding ``shard_model(model, unit_types) -> units``, compares with
-one process and with the library, and prints one verdict::
+in the library). Each check runs the learner's code on 2 or more ranks (CPU
+ranks where the machine has fewer GPUs), compares with one process and with the
+library, and prints one verdict::
 
     from minifsdp.labcheck import lab04 as check
-    check.shard_flat(shard_flat)
-    check.fsdp_forward(shard_model, free, allocate, is_gathered, gather, pre_forward, post_forward, install_hooks)
-    check.fsdp_cycle(shard_model, pre_backward, post_backward)
+    check.flat_shard(shard_flat, free, allocate, is_gathered)
+    check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks)
+    check.fsdp_backward(shard_model, pre_backward, post_backward)
+    check.hint("fsdp_forward")          # the next hint for an exercise, idea first
 
-Targets (Ψ = the number of parameters, fp32): one process's losses and parameters
-(fp32 tolerances below: the ranks add the gradient in another order); bytes moved
-per step exactly ``3 x 4 B x`` the padded Ψ (all-gather in forward, again in
-backward, one reduce-scatter; the learner frees the root too, so there is no
-root rule); the peak memory of a step within ``PEAK_MARGIN`` of
-``minifsdp.fsdp.FullyShardedDataParallel`` on the same model and batch.
+Targets (Ψ = the number of parameters; fp32, so the parameters take 4Ψ bytes):
+one process's logits, gradients, losses and parameters (fp32 tolerances below:
+the ranks add the gradient in another order); bytes moved per step exactly
+``3 x 4 B x`` the padded Ψ (all-gather in forward, again in backward, one
+reduce-scatter: the learner frees the root after forward like every other unit,
+so the root is gathered twice too); the peak memory of a step within
+``PEAK_MARGIN`` of ``minifsdp.fsdp.FullyShardedDataParallel`` on the same model,
+batch and ranks.
+
+Authorship: every check refuses the library's FSDP (``LIBRARY``: the naive FSDP,
+its ``FlatUnit`` and hooks, ``FullyShardedDataParallel``, ``FlatParamHandle``)
+statically and at run time, a :class:`~minifsdp.labcheck.authorship.Wire` around
+the learner's part of each worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import types
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
 
 from .. import comm, data, dist, models, trace
-from ..launch import launch
+from ..fsdp import FullyShardedDataParallel, naive
+from ..fsdp.flat_param import FlatParamHandle
 from ..memory import MemoryTracker
-from .lab03 import blank, refuse_library, run_learner
-from .verdict import failed, passed
+from .authorship import Wire, watched
+from .verdict import CheckFailed, Hints, call, failed, passed, refuse_library, require_written, run
 
-__all__ = ["shard_flat", "fsdp_forward", "fsdp_cycle", "fsdp_worker", "library_memory_worker", "results",
-           "PEAK_MARGIN"]
+__all__ = ["flat_shard", "fsdp_forward", "fsdp_backward", "hint", "results", "LIBRARY", "PEAK_MARGIN"]
+
+# The library's implementation of what the exercises build: sharding, gather, free, the hooks.
+LIBRARY = (naive.NaiveFullyShardedDataParallel, naive.FlatUnit, naive.pre_forward, naive.post_forward,
+           naive.pre_backward, naive.post_backward, FullyShardedDataParallel, FlatParamHandle)
+
+
+def _wired(*library: Any) -> tuple:
+    """The functions the run-time wire watches: each library function, and every method of each library class
+    (its minifsdp bases too), UNWRAPPED. Handing a class to ``Wire`` as it is would watch the wrapper of a
+    ``contextlib.contextmanager`` method (``FullyShardedDataParallel.no_sync``), whose code is contextlib's,
+    shared by every context manager: any ``with`` would trip it. Built in this process and in each worker from
+    module globals, so no code object crosses a pickle."""
+    package = str(Path(__file__).resolve().parent.parent)
+    out: list = []
+
+    def add(fn: Any) -> None:
+        fn = inspect.unwrap(fn)
+        if isinstance(fn, types.FunctionType) and fn.__code__.co_filename.startswith(package):
+            out.append(fn)
+    for obj in library:
+        if not isinstance(obj, type):
+            add(obj)
+            continue
+        for klass in obj.__mro__:
+            if not (getattr(klass, "__module__", "") or "").startswith("minifsdp."):
+                continue
+            for value in vars(klass).values():
+                for fn in (getattr(value, "__func__", None), getattr(value, "fget", None), value):
+                    if isinstance(fn, types.FunctionType):
+                        add(fn)
+                        break
+    return tuple(out)
+
+
+WIRED = _wired(*LIBRARY)
+# The static guard takes the classes (identity, subclasses) and the unwrapped functions, but not the class of
+# FullyShardedDataParallel itself: authorship's static walk would take the code of its contextmanager methods
+# (contextlib's, shared by trace.span and comm.annotate) for the library's. Its methods are in WIRED, and the
+# run-time wire sees it (and any subclass of it) construct.
+STATIC = tuple(obj for obj in LIBRARY if obj is not FullyShardedDataParallel) + WIRED
 
 results: dict[str, Any] = {}   # what the last run of each check measured, for the lab's plots
-MODEL, STEPS, BATCH, SEQ, LR = "gpt-tiny", 3, 12, 16, 1e-3   # 12 rows: 1, 2, 3 or 4 ranks split them evenly
-MEM_MODEL, MEM_BATCH, MEM_SEQ = "gpt-mini", 4, 32
+MODEL, STEPS, BATCH, SEQ, LR = "gpt-tiny", 3, 12, 16, 1e-3   # 12 rows: 2, 3 or 4 ranks split them evenly
+MEM_MODEL, MEM_BATCH, MEM_SEQ, MEM_RANKS = "gpt-mini", 4, 32, 2
+FORWARD_RANKS, BACKWARD_RANKS = (2, 3), (2, 3, 4)   # 3: the blocks need padding
 ATOL, RTOL = 1e-5, 1e-4       # fp32, another order of additions than one process
 PEAK_MARGIN = 0.25             # the learner's peak within +-25 % of minifsdp's FSDP (same model, batch, ranks)
 FP32 = 4
+UNSHARDED = "unsharded_params"
+
+hint = Hints({
+    "flat_shard": [
+        "One flat vector per unit: every tensor flattened, in order, end to end; then zeros at the end "
+        "until its length divides by world. Rank r keeps the r-th of world equal pieces.",
+        "The shard becomes the unit's own Parameter: it must own exactly its memory (a view into the "
+        "padded vector keeps all of it alive) and carry no autograd history.",
+        "free / allocate act on the storage under unit.full, never on the tensor object. A storage's size "
+        "counts bytes: the element size of full's dtype times the numbers.",
+        "allocate then tells each tracker in memory.active_trackers() what the bytes are (its register "
+        "method). is_gathered asks the storage how many bytes it holds now.",
+    ],
+    "fsdp_forward": [
+        "Units: a Block's parameters belong to its unit; the root takes what no Block took. Visit the Blocks "
+        "before the root, or the root takes everything. Names come from named_modules().",
+        "A parameter sits in its module's _parameters under its attribute name (named_parameters with "
+        "recurse=False lists a module's own). The Unit scaffolding removes the originals.",
+        "Before forward: gather (skip when gathered), then put back each parameter as its piece of "
+        "unit.full, reshaped. Pieces of full itself, so that autograd reaches full; the all-gather "
+        "writes through full.data, so that autograd does not see the write.",
+        "After forward the weights go, and backward will need them. Whose gradient is computed just before "
+        "this unit's backward? Hook that tensor (when it requires grad) to call pre_backward(unit).",
+    ],
+    "fsdp_backward": [
+        "Backward needs the unit's weights again: the views autograd saved read the storage of unit.full.",
+        "The post-accumulate hook on full runs when full.grad is complete. Every rank holds its own "
+        "gradient of the whole flat vector; each rank needs the average over ranks, of its chunk only.",
+        "A reduce-scatter sums over ranks, and each rank's loss is a mean over its own rows. Its output has "
+        "the shard's size; add it to shard.grad when one is already there.",
+        "Leave no full-size tensor: free the weights, and take the gradient off full (full.grad left there "
+        "is added to by the next backward, so gradients add up across steps).",
+    ],
+})
 
 
-def _library() -> dict[str, Any]:
-    from ..fsdp import FullyShardedDataParallel, naive
-    return {"minifsdp.fsdp.FullyShardedDataParallel": FullyShardedDataParallel,
-            "minifsdp.fsdp.naive.NaiveFullyShardedDataParallel": naive.NaiveFullyShardedDataParallel,
-            "minifsdp.fsdp.naive.FlatUnit": naive.FlatUnit, "minifsdp.fsdp.naive.pre_forward": naive.pre_forward,
-            "minifsdp.fsdp.naive.post_forward": naive.post_forward,
-            "minifsdp.fsdp.naive.pre_backward": naive.pre_backward,
-            "minifsdp.fsdp.naive.post_backward": naive.post_backward}
+# -- how a raw torch error reads, in the lab's words -----------------------------------------------------
+_FULL_WRITTEN = ("unit.full itself was written in place (autograd counts the writes, and the views it saved in "
+                 "forward would be stale in backward): write the gathered numbers through unit.full.data")
+_TRANSLATIONS = (
+    ("setStorage", "a unit was still freed when its backward ran: did post_forward hook the unit's output, "
+                   "and does that hook's pre_backward gather the unit again?"),
+    ("storage of size 0", "a unit was still freed when its backward ran: did post_forward hook the unit's "
+                          "output, and does that hook's pre_backward gather the unit again?"),
+    ("is a view and is being modified inplace", "the all-gather wrote into unit.full itself, which autograd "
+     "tracks (the modules' weights are views of it): write the gathered numbers through unit.full.data"),
+    ("leaf Variable that requires grad is being used in an in-place", "the all-gather wrote into unit.full "
+     "itself, a leaf autograd tracks: write the gathered numbers through unit.full.data"),
+    ("modified by an inplace operation", _FULL_WRITTEN),
+    ("does not require grad and does not have a grad_fn", "the loss does not reach unit.full: the modules' "
+     "weights must be pieces of unit.full itself, not of unit.full.data (which autograd does not track)"),
+    ("non-empty list of Tensors", "a unit got no parameters at all (torch.cat of an empty list in "
+     "shard_flat): make the Block units first and the root last; the root takes only what is left"),
+)
 
 
-def _world_sizes(*wanted: int) -> tuple[int, ...]:
-    return tuple(sorted({dist.lab_world_size(w) for w in wanted}))
+def _translate(what: str, err: CheckFailed) -> None:
+    message = str(err)
+    for needle, sentence in _TRANSLATIONS:
+        if needle in message and "library" not in message:
+            failed(what, sentence)
+    raise err
+
+
+def _run(what: str, fn: Callable, world_size: int, *args: Any) -> list:
+    """``verdict.run``, with the raw torch errors a learner meets said in one sentence of the lab."""
+    try:
+        return run(what, fn, world_size, *args, timeout=120)
+    except CheckFailed as err:
+        _translate(what, err)
+    raise AssertionError("unreachable")
+
+
+def _guard(what: str, **fns: Callable) -> None:
+    """Written, and not the library in any form a reader of the code can see."""
+    require_written(what, *fns.values())
+    for fn in fns.values():
+        refuse_library(what, fn, *STATIC)
 
 
 def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(F.pad(flat, (0, math.ceil(flat.numel() / n) * n - flat.numel())).chunk(n))
 
 
-# -- exercise 1: the flat shard, in this process -----------------------------------------------------
-def shard_flat(fn: Callable[[list[torch.Tensor], int, int], torch.Tensor]) -> None:
-    """The learner's ``shard_flat(params, rank, world)`` on a 53-parameter MLP at N = 1, 2, 3, 4."""
-    what = "shard_flat"
-    blank(what, shard_flat=fn)
+# -- exercise 1: the flat shard and its memory, in this process --------------------------------------------
+def flat_shard(shard_flat: Callable[[list[torch.Tensor], int, int], torch.Tensor], free: Callable,
+               allocate: Callable, is_gathered: Callable) -> None:
+    """``shard_flat`` on a 53-parameter MLP at N = 2, 3, 4; free / allocate / is_gathered on fp32 and bf16."""
+    what = "flat shard"
+    _guard(what, shard_flat=shard_flat, free=free, allocate=allocate, is_gathered=is_gathered)
+    shard_flat = watched(shard_flat, *WIRED)
     params = list(models.build_model("mlp", dims=(6, 5, 3)).parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    for n in (1, 2, 3, 4):
+    for n in (2, 3, 4):
         want = _chunks(flat, n)
-        try:
-            got = [fn(params, r, n) for r in range(n)]
-        except NotImplementedError as e:
-            failed(what, f"not written yet (NotImplementedError: {e})")
+        got = [call(what, shard_flat, params, r, n) for r in range(n)]
         if not all(isinstance(g, torch.Tensor) for g in got):
-            failed(what, f"at N={n} it returned {type(got[0]).__name__}: return a tensor, this rank's chunk")
+            bad = next(g for g in got if not isinstance(g, torch.Tensor))
+            failed(what, f"shard_flat at N={n} returned {type(bad).__name__}: return a tensor, this rank's chunk")
         sizes = [g.numel() for g in got]
         if sizes != [want[0].numel()] * n:
-            failed(what, f"at N={n}: shard sizes {sizes}, expected {n} x {want[0].numel()} (= ceil(53/{n})): "
-                         "pad the flat vector with zeros to a multiple of N first, then cut N equal chunks")
-        if all(torch.equal(g, w) for g, w in zip(got, want)):
-            if any(g.requires_grad or g.data_ptr() == flat.data_ptr() for g in got):
-                failed(what, f"at N={n}: the shard must be a detached copy (it becomes the unit's own Parameter)")
-            continue
-        if sorted(map(tuple, (g.tolist() for g in got))) == sorted(map(tuple, (w.tolist() for w in want))):
-            failed(what, f"at N={n}: the right chunks, given to the wrong ranks: rank r keeps chunk number r "
-                         "(rank 0 the first), the order the all-gather puts them back in")
-        if torch.equal(torch.cat(got)[:flat.numel()], flat):
-            failed(what, f"at N={n}: the parameters are right but the padding is not: pad with zeros, at the end")
-        failed(what, f"at N={n}: the shards put together are not the parameters (in order, each flattened) "
-                     "followed by zeros")
-    passed(what, "53 parameters at N = 1, 2, 3, 4: shards of 53, 27, 18, 14 numbers "
-                 "(padding 0, 1, 1, 3), chunk r on rank r")
+            failed(what, f"shard_flat at N={n}: shard sizes {sizes}, expected {n} x {want[0].numel()} "
+                         f"(= ceil(53/{n})): pad the flat vector with zeros to a multiple of N first, then cut "
+                         "N equal chunks")
+        if not all(torch.equal(g.detach().reshape(-1), w) for g, w in zip(got, want)):
+            if sorted(tuple(g.tolist()) for g in got) == sorted(tuple(w.tolist()) for w in want):
+                failed(what, f"shard_flat at N={n}: the right chunks, given to the wrong ranks: rank r keeps "
+                             "chunk number r (rank 0 the first), the order the all-gather puts them back in")
+            if torch.equal(torch.cat([g.detach().reshape(-1) for g in got])[:flat.numel()], flat):
+                failed(what, f"shard_flat at N={n}: the parameters are right but the padding is not: pad with "
+                             "zeros, at the end")
+            failed(what, f"shard_flat at N={n}: the shards put together are not the parameters (in order, each "
+                         "flattened) followed by zeros")
+        for r, g in enumerate(got):
+            if g.requires_grad or g.grad_fn is not None:
+                failed(what, f"shard_flat at N={n}, rank {r}: the shard carries autograd history "
+                             "(requires_grad): detach it, it becomes the unit's own Parameter")
+            held = g.untyped_storage().nbytes()
+            if held != g.numel() * g.element_size() or g.dim() != 1:
+                failed(what, f"shard_flat at N={n}, rank {r}: the shard is a view into a tensor of {held:,} "
+                             f"bytes, not {g.numel() * g.element_size():,} bytes of its own: return a copy of "
+                             "the chunk, or each rank keeps the whole flat vector alive")
+    _storage_cycle(what, free, allocate, is_gathered)
+    passed(what, "shards of 27, 18, 14 numbers at N = 2, 3, 4 (padding 1, 1, 3), chunk r on rank r, each a copy; "
+                 "unit.full at 0 B after free, at padded_numel x element size after allocate (fp32 and bf16), "
+                 f"named {UNSHARDED!r}")
+
+
+def _storage_cycle(what: str, free: Callable, allocate: Callable, is_gathered: Callable) -> None:
+    """free / allocate / is_gathered in this process, on stand-in units of 10 fp32 and 6 bf16 numbers."""
+    free, allocate, is_gathered = (watched(f, *WIRED) for f in (free, allocate, is_gathered))
+    for dtype, numel in ((torch.float32, 10), (torch.bfloat16, 6)):
+        full = torch.zeros(numel, dtype=dtype, device=dist.device(), requires_grad=True)
+        unit = SimpleNamespace(name="test", full=full, padded_numel=numel, numel=numel)
+        nbytes = lambda: unit.full.untyped_storage().nbytes()   # noqa: E731
+        size = numel * full.element_size()
+        kind = str(dtype).replace("torch.", "")
+        call(what, free, unit)
+        if unit.full is not full:
+            failed(what, "free replaced unit.full by another tensor: keep the same tensor object (the views "
+                         "autograd saved point into it) and release only the memory under it")
+        if nbytes() != 0:
+            failed(what, f"after free, {nbytes()} bytes are still behind unit.full: release its whole storage")
+        answer = call(what, is_gathered, unit)
+        if answer is not False:
+            failed(what, f"is_gathered said {answer!r} right after free: False when no memory is behind "
+                         "unit.full")
+        with MemoryTracker() as tracker:
+            call(what, allocate, unit)
+            named = tracker.live().get(UNSHARDED, 0)
+        if unit.full is not full:
+            failed(what, "allocate replaced unit.full by another tensor: give memory back to the same tensor")
+        if nbytes() != size:
+            hint_ = (": a storage's size counts bytes, not numbers" if nbytes() == numel else
+                     f": count the bytes of full's own dtype ({full.element_size()} B a number)"
+                     if nbytes() == numel * FP32 else "")
+            failed(what, f"allocate on a unit of {numel} {kind} numbers gave unit.full {nbytes()} bytes, "
+                         f"expected {size}{hint_}")
+        answer = call(what, is_gathered, unit)
+        if answer is not True:
+            failed(what, f"is_gathered said {answer!r} right after allocate: True when memory is behind "
+                         "unit.full")
+        if named != size:
+            failed(what, f"allocate: the memory tracker saw {named} bytes named {UNSHARDED!r}, expected {size}: "
+                         "register unit.full under that name with each tracker in memory.active_trackers()")
 
 
 # -- one process ---------------------------------------------------------------------------------------
-def _batch(step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return data.get_batch(step, batch, seq)
+def _batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return data.get_batch(step + 100 * micro, BATCH, SEQ)
+
+
+def _micro_batches(step: int) -> int:
+    """Two backward passes before the first optimizer step (gradient accumulation), one after."""
+    return 2 if step == 0 else 1
 
 
 def _single(model_name: str = MODEL, steps: int = STEPS) -> dict:
@@ -110,13 +281,16 @@ def _single(model_name: str = MODEL, steps: int = STEPS) -> dict:
     model = models.build_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {"losses": []}
-    x0, _ = _batch(0, BATCH, SEQ)
+    x0, _ = _batch(0)
     with torch.no_grad():
         out["logits"] = model(x0)
     for step in range(steps):
-        x, y = _batch(step, BATCH, SEQ)
-        loss = models.lm_loss(model(x), y)
-        loss.backward()
+        for micro in range(_micro_batches(step)):
+            x, y = _batch(step, micro)
+            loss = models.lm_loss(model(x), y)
+            loss.backward()
+            if step == 0 and micro == 0:
+                out["grads_first"] = {k: p.grad.clone() for k, p in model.named_parameters()}
         if step == 0:
             out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
@@ -132,73 +306,96 @@ def _holds_memory(unit: Any) -> bool:
     return unit.full.untyped_storage().nbytes() > 0
 
 
-def _unit_fqns(model: torch.nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
+def _hooked(output: Any) -> str:
+    """"hooked" when a tensor of this output that takes part in autograd carries a gradient hook, "no hook",
+    or "no grad" when no tensor of it takes part in autograd."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return "no grad"
+    return "hooked" if any(getattr(t, "_backward_hooks", None) for t in tensors) else "no hook"
 
 
-def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps: int, batch: int, seq: int,
-                forward_only: bool = False, track_memory: bool = False) -> dict:
-    """Train ``steps`` steps on this rank: ``mode`` "learner" (the lab's ``shard_model``), or "FULL_SHARD" /
-    "SHARD_GRAD_OP" (``minifsdp.fsdp``). Plain data back."""
-    from ..fsdp import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-
+def _fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps: int, batch: int, seq: int,
+                 forward_only: bool = False, track_memory: bool = False) -> dict:
+    """Train ``steps`` steps on this rank: ``mode`` "learner" (the lab's ``shard_model``, under a library wire),
+    or "FULL_SHARD" / "SHARD_GRAD_OP" (``minifsdp.fsdp``). Plain data back."""
     torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     model = models.build_model(model_name).to(device)
-    names = _unit_fqns(model)
+    names = {id(m): name for name, m in model.named_modules()}
     tracker, tracer = MemoryTracker(), trace.Tracer(rank=rank)
     out: dict[str, Any] = {"mode": mode, "losses": []}
-    if mode == "learner":
-        units = list(shard_model(model, {models.Block}))
+    learner = mode == "learner"
+    with Wire(*WIRED) if learner else contextlib.nullcontext():
+        units = list(shard_model(model, {models.Block})) if learner else []
+    # The wire watches every call (sys.setprofile): a memory-tracked step runs ~4x slower under it, which would
+    # stretch the learner's memory curve beside the library's. That run repeats code the gpt-tiny runs of the
+    # same check already watched step by step; its units are still built under the wire (above).
+    wire = (lambda: Wire(*WIRED)) if learner and not track_memory else contextlib.nullcontext   # noqa: E731
+    if learner:
         net, params = model, [u.shard for u in units]
         out["units"] = [(u.name, u.numel, u.padded_numel, u.shard.numel()) for u in units]
+        out["post_accumulate_hook"] = [u.name for u in units if getattr(u.full, "_post_accumulate_grad_hooks", None)]
+        versions = {u.name: u.full._version for u in units}   # writes through full.data leave it alone
+        hooked: dict[str, str] = {}
+        for u in units:   # registered after the learner's hooks: runs after their post_forward
+            u.module.register_forward_hook(lambda m, a, output, u=u: hooked.__setitem__(u.name, _hooked(output)))
     else:
+        from ..fsdp import ModuleWrapPolicy, ShardingStrategy
         net = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({models.Block}),
                                        sharding_strategy=ShardingStrategy[mode])
-        units, params = [], list(net.parameters())
+        params = list(net.parameters())
     opt = torch.optim.AdamW(params, lr=LR)
     holder = torch.nn.ParameterList(params)   # the tracker's handle on the shards and their .grad
+    rows = slice(rank * batch // n, (rank + 1) * batch // n)
     with tracer:
         if forward_only:
-            x, _ = _batch(0, batch, seq)
-            rows = slice(rank * batch // n, (rank + 1) * batch // n)
-            with trace.span("step", step=0):
+            x, _ = data.get_batch(0, batch, seq)
+            with trace.span("measured", step=0), wire():
                 logits = net(x[rows].to(device))
             out["logits"] = logits.detach().cpu()
             out["gathered_after"] = [u.name for u in units if _holds_memory(u)]
-            out["bytes"] = tracer.trace.bytes_by_op(within="step")
+            out["hooked"] = hooked if learner else {}
+            out["full_written"] = [u.name for u in units if u.full._version != versions[u.name]]
+            out["bytes"] = tracer.trace.bytes_by_op(within="measured")
             return out
         for step in range(steps):
-            x, y = _batch(step, batch, seq)
-            rows = slice(rank * batch // n, (rank + 1) * batch // n)
-            tracking = track_memory and step == steps - 1   # the last step: the optimizer state exists
+            last = step == steps - 1
+            tracking = track_memory and last   # the last step: the optimizer state exists
             if tracking:
                 tracker.track_model(holder)
                 tracker.track_optimizer(opt)
             with tracker if tracking else contextlib.nullcontext():
                 tracker.reset_peak()
-                with trace.span("step", step=step):
-                    loss = models.lm_loss(net(x[rows].to(device)), y[rows].to(device))
-                    loss.backward()
+                with trace.span("measured" if last else "step", step=step):
+                    for micro in range(_micro_batches(step) if learner else 1):
+                        x, y = data.get_batch(step + 100 * micro, batch, seq)
+                        with wire():
+                            loss = models.lm_loss(net(x[rows].to(device)), y[rows].to(device))
+                            loss.backward()
+                        if learner and step == 0 and micro == 0:
+                            out["grads_first"] = [None if u.shard.grad is None else u.shard.grad.detach().cpu()
+                                                  .clone() for u in units]
                     if tracking:
                         tracker.snapshot("after backward")   # labels the shards' new .grad as gradients
-                if mode == "learner" and step == 0:
+                if learner and step == 0:
                     out["grads0"] = [None if u.shard.grad is None else u.shard.grad.detach().cpu().clone()
                                      for u in units]
                     out["gathered_after"] = [u.name for u in units if _holds_memory(u)]
+                    out["full_grad_left"] = [u.name for u in units if u.full.grad is not None]
+                    out["full_written"] = [u.name for u in units if u.full._version != versions[u.name]]
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             total = loss.detach().reshape(1).clone()
-            if n > 1:
-                torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(total)
             out["losses"].append(total.item() / n)
     tracker.close()
-    out["bytes"] = {op: b // steps for op, b in tracer.trace.bytes_by_op(within="step").items()}
+    out["bytes"] = tracer.trace.bytes_by_op(within="measured")
     if track_memory:
         out["peak"] = tracker.peak_total
         out["peak_by_category"] = dict(tracker.peak_by_category)
         out["samples"] = list(tracker.samples)
-    if mode == "learner":   # the final parameters, gathered, under the original names
+    if learner:   # the final parameters, gathered by the check (not by the learner's code), under their names
         full: dict[str, torch.Tensor] = {}
         for u in units:
             buf = torch.empty(u.padded_numel, dtype=u.shard.dtype, device=device)
@@ -211,9 +408,14 @@ def fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps:
     return out
 
 
-def library_memory_worker(modes: tuple[str, ...]) -> dict:
-    """``fsdp_worker`` with the library's strategies in turn, memory tracked, in one launch."""
-    return {m: fsdp_worker(m, None, MEM_MODEL, 2, MEM_BATCH, MEM_SEQ, False, True) for m in modes}
+def _library_memory_worker(modes: tuple[str, ...]) -> dict:
+    """``_fsdp_worker`` with the library's strategies in turn, memory tracked, in one launch."""
+    return {m: _fsdp_worker(m, None, MEM_MODEL, 2, MEM_BATCH, MEM_SEQ, False, True) for m in modes}
+
+
+def _padded_numel(model_name: str, n: int) -> int:
+    """Ψ with each unit padded to a multiple of n: what the units gather, the target of the byte checks."""
+    return sum(math.ceil(v / n) * n for v in _expected_units(model_name).values())
 
 
 def _expected_units(model_name: str) -> dict[str, int]:
@@ -223,15 +425,16 @@ def _expected_units(model_name: str) -> dict[str, int]:
     return {**units, "root": models.count_parameters(model) - sum(units.values())}
 
 
-def _run_units(what: str, n: int, res: list[dict], model_name: str = MODEL) -> None:
+def _check_units(what: str, n: int, res: list[dict], model_name: str = MODEL) -> None:
     """Every rank made the same units -- each Block, the root with the rest -- each with an equal padded shard."""
     units = res[0]["units"]
     if any(r["units"] != units for r in res):
         failed(what, f"{n} ranks: the ranks made different units")
     got, want = {name: numel for name, numel, _, _ in units}, _expected_units(model_name)
     if got != want:
-        failed(what, f"units {got} (name: parameters), expected {want}: every Block is a unit and the root "
-                     "(named 'root') holds every parameter no Block holds; each parameter in exactly one unit")
+        failed(what, f"units {got} (name: parameters), expected {want}: every Block is a unit named by its "
+                     "module path, and the root (named 'root') holds every parameter no Block holds; each "
+                     "parameter in exactly one unit")
     if units[-1][0] != "root":
         failed(what, "the root must be the last unit (it takes what the others left)")
     for name, numel, padded, shard in units:
@@ -240,90 +443,79 @@ def _run_units(what: str, n: int, res: list[dict], model_name: str = MODEL) -> N
                          "each rank keeps an equal chunk of the zero-padded flat vector (shard_flat)")
 
 
-def _storage_cycle(what: str, free: Callable, allocate: Callable, is_gathered: Callable) -> None:
-    """free / allocate / is_gathered in this process, on a stand-in unit of 10 fp32 numbers."""
-    full = torch.empty(10, device=dist.device(), requires_grad=True)
-    unit = SimpleNamespace(name="test", full=full, padded_numel=10)
-    nbytes = lambda: unit.full.untyped_storage().nbytes()   # noqa: E731
-    free(unit)
-    if unit.full is not full:
-        failed(what, "free replaced unit.full by another tensor: keep the same tensor object (the views "
-                     "autograd saved point into it) and release only the memory under it")
-    if nbytes() != 0:
-        failed(what, f"after free, {nbytes()} bytes are still behind unit.full: release its whole storage")
-    if is_gathered(unit) is not False:
-        failed(what, f"is_gathered said {is_gathered(unit)!r} right after free: False when no memory is behind "
-                     "unit.full")
-    allocate(unit)
-    if unit.full is not full:
-        failed(what, "allocate replaced unit.full by another tensor: give memory back to the same tensor")
-    if nbytes() != 10 * FP32:
-        hint = (": the storage's size counts bytes, not numbers" if nbytes() == 10 else "")
-        failed(what, f"allocate on a unit of 10 fp32 numbers gave unit.full {nbytes()} bytes, "
-                     f"expected {10 * FP32}{hint}")
-    if is_gathered(unit) is not True:
-        failed(what, f"is_gathered said {is_gathered(unit)!r} right after allocate: True when memory is behind "
-                     "unit.full")
-
-
-def fsdp_forward(shard_model: Callable, free: Callable, allocate: Callable, is_gathered: Callable,
-                 gather: Callable, pre_forward: Callable, post_forward: Callable, install_hooks: Callable,
-                 world_sizes: tuple[int, ...] | None = None) -> None:
-    """free/allocate in this process; forward at 2 and 3 ranks: one process's logits, every unit freed, Ψ once."""
+def fsdp_forward(shard_model: Callable, gather: Callable, pre_forward: Callable, post_forward: Callable,
+                 install_hooks: Callable, world_sizes: tuple[int, ...] = FORWARD_RANKS) -> None:
+    """A forward at 2 and 3 ranks: one process's logits, every unit freed and hooked, 4 B x padded Ψ once."""
     what = "FSDP forward"
-    fns = dict(free=free, allocate=allocate, is_gathered=is_gathered, shard_model=shard_model, gather=gather,
-               pre_forward=pre_forward, post_forward=post_forward, install_hooks=install_hooks)
-    blank(what, **fns)
-    refuse_library(what, fns, _library())
-    _storage_cycle(what, free, allocate, is_gathered)
+    _guard(what, shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
+           install_hooks=install_hooks)
     ref = _single(steps=0)
     n_params = models.count_parameters(models.build_model(MODEL, device="meta"))
-    world_sizes = world_sizes or _world_sizes(2, 3)
-    for n in world_sizes:
-        res = run_learner(what, fsdp_worker, n, "learner", shard_model, MODEL, 1, BATCH, SEQ, True)
-        _run_units(what, n, res)
+    for n in (max(2, w) for w in world_sizes):
+        res = _run(what, _fsdp_worker, n, "learner", shard_model, MODEL, 1, BATCH, SEQ, True)
+        _check_units(what, n, res)
         for r, out in enumerate(res):
-            if out["gathered_after"]:
-                failed(what, f"{n} ranks, rank {r}: after forward, unit(s) {out['gathered_after']} still hold their "
-                             "full parameters: the post-forward hook frees the unit it just ran")
             rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
             want = ref["logits"][rows]
             if out["logits"].shape != want.shape or not torch.allclose(out["logits"], want, atol=ATOL, rtol=RTOL):
                 failed(what, f"{n} ranks, rank {r}: the logits differ from one process's: before a unit runs, its "
                              "modules must see the gathered parameters, in order (all-gather puts rank r's shard "
                              "at position r), each piece reshaped to its parameter's shape")
-        padded = sum(p for _, _, p, _ in res[0]["units"])
+            if out["gathered_after"]:
+                failed(what, f"{n} ranks, rank {r}: after forward, unit(s) {out['gathered_after']} still hold their "
+                             "full parameters: the post-forward hook frees the unit it just ran")
+            if out["full_written"]:
+                failed(what, _FULL_WRITTEN)
+            if "no grad" in out["hooked"].values():
+                failed(what, f"{n} ranks, rank {r}: the output of unit(s) "
+                             f"{[k for k, v in out['hooked'].items() if v == 'no grad']} does not take part in "
+                             "autograd: the modules' weights must be pieces of unit.full itself (a leaf that "
+                             "requires grad), not of unit.full.data, which autograd does not track")
+            unhooked = [name for name, state in out["hooked"].items() if state != "hooked"]
+            if unhooked:
+                failed(what, f"{n} ranks, rank {r}: the output of unit(s) {unhooked} carries no gradient hook: "
+                             "the unit is freed after forward, so backward must be told to gather it first: hook "
+                             "the output, whose gradient is computed just before this unit's backward")
+            missing = [name for name, *_ in out["units"] if name not in out["post_accumulate_hook"]]
+            if missing:
+                failed(what, f"unit(s) {missing}: no hook on unit.full tells post_backward that the unit's whole "
+                             "gradient is ready: which hook runs once a leaf's .grad is complete?")
+        padded = _padded_numel(MODEL, n)
         got = res[0]["bytes"]
-        if n > 1 and got != {"all_gather": FP32 * padded}:
-            hint = ("gathered more than once: gather only when the unit's full tensor is empty"
-                    if got.get("all_gather", 0) > FP32 * padded else "every unit must be all-gathered once")
+        if got != {"all_gather": FP32 * padded}:
+            hint_ = ("gathered more than once: gather only when the unit's full tensor is empty"
+                     if got.get("all_gather", 0) > FP32 * padded else "every unit must be all-gathered once")
             failed(what, f"{n} ranks: forward moved {got}, the target is all_gather {FP32 * padded:,} B "
-                         f"(4 B x Ψ padded): {hint}")
+                         f"(4 B x padded Ψ): {hint_}")
     passed(what, f"one process's logits (|diff| <= {ATOL:g}) at {', '.join(map(str, world_sizes))} ranks; "
-                 f"all-gather per forward: yours {FP32 * padded:,} B, target 4 B x Ψ = {FP32 * n_params:,} B "
-                 f"+ padding; every unit freed after its forward")
+                 f"all-gathered per forward at {n} ranks: yours {sum(got.values()):,} B, target 4 B x padded Ψ = "
+                 f"{FP32 * padded:,} B (Ψ = {n_params:,} parameters); every unit freed and hooked after its forward")
 
 
-def fsdp_cycle(shard_model: Callable, pre_backward: Callable, post_backward: Callable,
-               world_sizes: tuple[int, ...] | None = None) -> None:
-    """Whole steps at 1, 2, 3, 4 ranks against one process; bytes 3Ψ exact; peak vs minifsdp's FSDP."""
-    what = "FSDP cycle"
-    blank(what, pre_backward=pre_backward, post_backward=post_backward)
-    refuse_library(what, dict(shard_model=shard_model, pre_backward=pre_backward, post_backward=post_backward),
-                   _library())
+def fsdp_backward(shard_model: Callable, pre_backward: Callable, post_backward: Callable,
+                  world_sizes: tuple[int, ...] = BACKWARD_RANKS) -> None:
+    """Whole steps at 2, 3, 4 ranks against one process; bytes 3 x 4 B x padded Ψ exact; peak vs minifsdp's FSDP."""
+    what = "FSDP backward"
+    _guard(what, shard_model=shard_model, pre_backward=pre_backward, post_backward=post_backward)
     ref = _single()
     worst = 0.0
-    sizes = world_sizes or _world_sizes(1, 2, 3, 4)
+    sizes = tuple(max(2, w) for w in world_sizes)
     for n in sizes:
-        res = run_learner(what, fsdp_worker, n, "learner", shard_model, MODEL, STEPS, BATCH, SEQ)
-        _run_units(what, n, res)
+        res = _run(what, _fsdp_worker, n, "learner", shard_model, MODEL, STEPS, BATCH, SEQ)
+        _check_units(what, n, res)
         for r, out in enumerate(res):
+            if out["full_written"]:
+                failed(what, _FULL_WRITTEN)
             if out["gathered_after"]:
                 failed(what, f"{n} ranks, rank {r}: after backward, unit(s) {out['gathered_after']} still hold "
                              "their full parameters: the post-backward hook frees the unit once its gradient is "
                              "reduce-scattered")
-            for u, (name, *_), grad, slot_names in zip(range(len(out["grads0"])), out["units"], out["grads0"],
-                                                      out["slots"]):
+            if out["full_grad_left"]:
+                failed(what, f"{n} ranks, rank {r}: after backward, unit(s) {out['full_grad_left']} still hold a "
+                             "full-size gradient in unit.full.grad: take it off once reduce-scattered, or the next "
+                             "backward adds to it and gradients are adding up across steps")
+            for name, grad, first, slot_names in zip((u[0] for u in out["units"]), out["grads0"],
+                                                     out["grads_first"], out["slots"]):
                 if grad is None:
                     failed(what, f"{n} ranks, rank {r}: unit {name} has no gradient on its shard after backward: "
                                  "the post-backward hook stores this rank's chunk in the shard's .grad")
@@ -331,15 +523,21 @@ def fsdp_cycle(shard_model: Callable, pre_backward: Callable, post_backward: Cal
                 if grad.shape != want.shape:
                     failed(what, f"{n} ranks, rank {r}: unit {name}'s gradient shard has {grad.numel()} numbers, "
                                  f"the shard {want.numel()}: reduce-scatter leaves one chunk per rank")
-                if not torch.allclose(grad, want, atol=ATOL, rtol=RTOL):
-                    if n > 1 and torch.allclose(grad, n * want, atol=ATOL * n, rtol=RTOL):
-                        hint = (f"it is {n} x the right one: the reduce-scatter SUMS over ranks and each rank's "
-                                "loss is already a mean over its rows: divide by the world size")
-                    else:
-                        hint = ("reduce-scatter the unit's full gradient (its padded flat layout, as the "
-                                "parameters), so rank r receives chunk r")
-                    failed(what, f"{n} ranks, rank {r}: unit {name}'s gradient after step 0 differs from one "
-                                 f"process's: {hint}")
+                if torch.allclose(grad, want, atol=ATOL, rtol=RTOL):
+                    continue
+                once = _chunks(torch.cat([ref["grads_first"][k].reshape(-1) for k in slot_names]), n)[r]
+                if first is not None and torch.allclose(first, once, atol=ATOL, rtol=RTOL):
+                    hint_ = ("the first backward was right, the second replaced it: with two backward passes "
+                             "before a step the shard's .grad must add up (add to it when it is there), as "
+                             "torch's .grad does")
+                elif torch.allclose(grad, n * want, atol=ATOL * n, rtol=RTOL):
+                    hint_ = (f"it is {n} x the right one: the reduce-scatter SUMS over ranks and each rank's "
+                             "loss is already a mean over its rows: divide by the world size")
+                else:
+                    hint_ = ("reduce-scatter the unit's full gradient (its padded flat layout, as the "
+                             "parameters), so rank r receives chunk r")
+                failed(what, f"{n} ranks, rank {r}: unit {name}'s gradient after the first step's two backward "
+                             f"passes differs from one process's: {hint_}")
         for k, want in ref["params"].items():
             diff = (res[0]["params"][k] - want).abs().max().item()
             worst = max(worst, diff)
@@ -348,34 +546,37 @@ def fsdp_cycle(shard_model: Callable, pre_backward: Callable, post_backward: Cal
         loss_diff = max(abs(a - b) for a, b in zip(res[0]["losses"], ref["losses"]))
         if not loss_diff <= ATOL:
             failed(what, f"{n} ranks: losses differ from one process's by {loss_diff:.1e} (> {ATOL:g})")
-        padded = FP32 * sum(p for _, _, p, _ in res[0]["units"])
+        padded = FP32 * _padded_numel(MODEL, n)
         target = {"all_gather": 2 * padded, "reduce_scatter": padded}
         got = res[0]["bytes"]
-        if n > 1 and got != target:
+        if got != target:
             if got.get("all_gather", 0) < 2 * padded:
-                hint = "backward needs the parameters again: the pre-backward hook all-gathers the unit"
+                hint_ = "backward needs the parameters again: the pre-backward hook all-gathers the unit"
             elif got.get("all_gather", 0) > 2 * padded:
-                hint = "a unit was gathered more than twice: gather only when its full tensor is empty"
+                hint_ = "a unit was gathered more than twice: gather only when its full tensor is empty"
             else:
-                hint = "reduce-scatter each unit's gradient exactly once per backward"
-            failed(what, f"{n} ranks: a step moved {got}, target {target} (3 x 4 B x Ψ padded): {hint}")
+                hint_ = "reduce-scatter each unit's gradient exactly once per backward"
+            failed(what, f"{n} ranks: a step moved {got}, target {target} (3 x 4 B x padded Ψ): {hint_}")
     # memory: the learner's units beside minifsdp's FSDP on gpt-mini, two ranks
-    n = dist.lab_world_size(2)
-    mem = {"learner": run_learner(what, fsdp_worker, n, "learner", shard_model, MEM_MODEL, 2, MEM_BATCH, MEM_SEQ,
-                                  False, True)}
-    by_rank = launch(library_memory_worker, n, ("FULL_SHARD", "SHARD_GRAD_OP"), timeout=120)
+    n_mem = MEM_RANKS
+    mem = {"learner": _run(what, _fsdp_worker, n_mem, "learner", shard_model, MEM_MODEL, 2, MEM_BATCH, MEM_SEQ,
+                           False, True)}
+    by_rank = run(what, _library_memory_worker, n_mem, ("FULL_SHARD", "SHARD_GRAD_OP"), timeout=120)
     for mode in ("FULL_SHARD", "SHARD_GRAD_OP"):
         mem[mode] = [r[mode] for r in by_rank]
     mine, lib = max(r["peak"] for r in mem["learner"]), max(r["peak"] for r in mem["FULL_SHARD"])
-    if not all(r["peak_by_category"].get("unsharded_params", 0) > 0 for r in mem["learner"]):
-        failed(what, "the memory tracker saw no 'unsharded_params' bytes in your step: allocate registers "
-                     "unit.full with each active tracker under that category")
-    results[what] = {"memory": mem, "world_size": n, "bytes": got, "units": res[0]["units"]}
+    if not all(r["peak_by_category"].get(UNSHARDED, 0) > 0 for r in mem["learner"]):
+        failed(what, f"the memory tracker saw no {UNSHARDED!r} bytes at the peak of your step: allocate "
+                     "registers unit.full with each active tracker under that name")
+    mem_units = _expected_units(MEM_MODEL)
+    results["fsdp_backward"] = {
+        "memory": mem, "world_size": n_mem, "bytes": got, "bytes_world_size": sizes[-1], "units": res[0]["units"],
+        "unit_bytes": {k: FP32 * math.ceil(v / n_mem) * n_mem for k, v in mem_units.items()}}
     if abs(mine / lib - 1) > PEAK_MARGIN:
-        failed(what, f"peak of a step on {MEM_MODEL}, {n} ranks: yours {mine / 2**20:.2f} MiB, minifsdp FSDP "
+        failed(what, f"peak of a step on {MEM_MODEL}, {n_mem} ranks: yours {mine / 2**20:.2f} MiB, minifsdp FSDP "
                      f"(FULL_SHARD) {lib / 2**20:.2f} MiB: more than {PEAK_MARGIN:.0%} apart; free each unit right "
                      "after its forward and right after its gradient is reduce-scattered")
-    passed(what, f"one process's parameters (max |diff| {worst:.1e}) at {', '.join(map(str, sizes))} ranks; bytes "
-                 f"per step at {sizes[-1]} ranks: yours {sum(got.values()):,} B, target 3 x 4 B x Ψ padded "
-                 f"= {3 * padded:,} B; peak on {MEM_MODEL}, {n} ranks: yours {mine / 2**20:.2f} MiB, target within "
-                 f"{PEAK_MARGIN:.0%} of minifsdp FSDP's {lib / 2**20:.2f} MiB")
+    passed(what, f"one process's gradients and parameters (max |diff| {worst:.1e}) at {', '.join(map(str, sizes))} "
+                 f"ranks; bytes per step at {sizes[-1]} ranks: yours {sum(got.values()):,} B, target 3 x 4 B x "
+                 f"padded Ψ = {3 * padded:,} B; peak on {MEM_MODEL}, {n_mem} ranks: yours {mine / 2**20:.2f} MiB, "
+                 f"target within {PEAK_MARGIN:.0%} of minifsdp FSDP's {lib / 2**20:.2f} MiB")

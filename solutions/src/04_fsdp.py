@@ -4,43 +4,25 @@
 # %% [markdown]
 # # 04 — FSDP: shard the parameters too (ZeRO-3)
 #
-# Lab 03 sharded the optimizer state and the gradients, but every rank still held
-# all the parameters. Fully Sharded Data Parallel removes that last copy: each rank
-# keeps `1/N` of every parameter, gradient and optimizer state, and a unit's full
-# weights exist only while that unit computes. This is ZeRO stage 3
-# (Rajbhandari et al. 2020), as FairScale's `FullyShardedDataParallel` and PyTorch's
-# `torch.distributed.fsdp` (Zhao et al. 2023, "PyTorch FSDP") implement it:
-#
-# ```
-# keep:      one flat, padded 1/N shard of the parameters per unit (what the optimizer sees)
-# forward:   all-gather the unit's shards -> full weights -> compute -> free them
-# backward:  all-gather again -> compute gradients -> reduce-scatter them -> free
-# step:      each rank updates its own shard, with its own 1/N of the optimizer state
-# ```
-#
-# **You will be able to**: **build** FSDP's per-unit cycle on a multi-unit GPT — the
-# flat padded shard, a pre-forward hook that all-gathers a unit, a post-forward hook
-# that frees it, a pre-backward gather and a post-backward reduce-scatter — and show
-# it trains the same model as one process, moves exactly `3 x 4Ψ` bytes per step and
-# peaks where `minifsdp.fsdp` does; read the memory sawtooth of FULL_SHARD and
-# SHARD_GRAD_OP; choose a sharding strategy, a wrap policy and a prefetch mode;
-# checkpoint and resume at another world size.
+# **You will be able to** build FSDP's per-unit cycle on a GPT (a flat padded shard
+# per unit, gathered just before the unit computes, freed after, gathered again for
+# backward, its gradient reduce-scattered), show that it trains like one process
+# moving exactly `3·4Ψ` bytes per step, and choose a sharding strategy, wrap policy
+# and prefetch.
 #
 # **Prerequisites**: labs 00–03 (collectives, memory anatomy, data parallel, ZeRO).
-# **Time**: about 75 minutes of work; the cells compute for about 1.5 minutes on a
-# laptop (CPU, `gloo`), less on GPUs (`nccl`, one rank per GPU; a 1- or 2-GPU VM runs
-# fewer ranks, see `dist.lab_world_size`).
 #
-# **Exercises** (your code between the markers, each followed by a one-call check):
-# 1. the flat, padded shard · 2. forward: the units, gather before, free
-# after (and the hooks that say when) · 3. backward: gather again, reduce-scatter, free.
+# **Time**: 75 minutes of work; the cells compute for about half a minute on a
+# laptop (CPU, `gloo`) and about as long on a GPU VM (tiny models; launches needing
+# more ranks than GPUs use CPU ranks).
 #
-# Symbols (as in every lab): `Ψ` = number of parameters; `N` = world size; bytes are
-# written `4Ψ` (fp32 parameters), `12Ψ`, ...
+# **Exercises**: 1. the flat shard and its memory · 2. forward: units, gather
+# before, free after · 3. backward: gather again, reduce-scatter, free.
+#
+# `Ψ` = the number of parameters, `N` = the world size; fp32 parameters take `4Ψ` B.
 
 # %%
 import functools
-import inspect
 import math
 import os
 import tempfile
@@ -66,76 +48,129 @@ from minifsdp.train import TrainConfig, train
 # share the cores without OpenMP threads spinning against each other.
 torch.set_num_threads(1)
 MiB, FP32 = 2**20, 4
-N2, N4 = dist.lab_world_size(2), dist.lab_world_size(4)   # fewer on a VM with fewer GPUs (one rank per GPU)
+# The lessons launch 2 and 4 ranks: one per GPU where the machine has that many, else CPU ranks (gloo).
+N2, N4 = 2, 4
 notebook_start = time.perf_counter()
 
 # %% [markdown]
 # ## 1. Build it: FSDP's per-unit cycle
 #
-# A **unit** is a group of parameters gathered together. Here, as in most FSDP
-# set-ups for transformers, every `Block` of a GPT is a unit and the *root* unit
-# holds the rest (embeddings, final LayerNorm, head). `gpt-tiny` has two blocks:
-# three units.
-#
-# **The flat shard.** FSDP does not shard tensor by tensor; it concatenates a unit's
-# tensors into **one flat vector**, pads it with zeros to a multiple of `N`, and
-# gives rank `r` the `r`-th of `N` equal chunks. A `Linear(6, 5)` and a
-# `Linear(5, 3)` hold 30 + 5 + 15 + 3 = 53 numbers; with `N = 4`:
+# Lab 03 sharded the optimizer state and the gradients; every rank still held all
+# the parameters. FSDP (ZeRO stage 3: Rajbhandari et al. 2020; PyTorch FSDP: Zhao
+# et al. 2023) removes that last copy:
 #
 # ```
-# flat     = [w1 x30 | b1 x5 | w2 x15 | b2 x3 | 0 0 0]     53 numbers + 3 zeros of padding = 56
-# rank 0   = flat[ 0:14]        rank 2 = flat[28:42]
-# rank 1   = flat[14:28]        rank 3 = flat[42:56]   <- b2 and the padding
+# keep:      one flat, padded 1/N shard of each unit's parameters (what the optimizer sees)
+# forward:   all-gather the unit's shards -> full weights -> compute -> free them
+# backward:  all-gather again -> compute gradients -> reduce-scatter them -> free
+# step:      each rank updates its own shard, with its own 1/N of the optimizer state
 # ```
 #
-# Equal chunks are not a nicety: `all_gather_into_tensor` and `reduce_scatter_tensor`
-# need the same size on every rank (gloo refuses anything else).
+# A **unit** is a group of parameters gathered together. Here every `Block` of the
+# GPT is a unit and the **root** unit holds the rest (embeddings, final LayerNorm,
+# head). A unit is named by its module path, as `model.named_modules()` gives it:
+# `gpt-tiny` has three units, `blocks.0`, `blocks.1` and `root`.
+
+# %% [markdown]
+# **The flat shard.** FSDP concatenates a unit's tensors into **one flat vector**,
+# pads it with zeros to a multiple of `N`, and gives rank `r` the `r`-th of `N`
+# equal chunks. A `Linear(6, 5)` and a `Linear(5, 3)` hold 30 + 5 + 15 + 3 = 53
+# numbers; with `N = 4`, chunks of 14:
 #
-# ### Exercise 1: `shard_flat`
+# ```
+# flat   = [w1 x30 | b1 x5 | w2 x15 | b2 x3 | 0 0 0]   53 numbers + 3 zeros of padding = 56
+# rank 0 = flat[ 0:14]   the first 14 numbers of w1
+# rank 1 = flat[14:28]   the next 14 of w1
+# rank 2 = flat[28:42]   the last 2 of w1, all of b1, the first 7 of w2
+# rank 3 = flat[42:56]   the last 8 of w2, b2 and the padding
+# ```
 #
-# `shard_flat(params, rank, world)`: concatenate the flattened tensors, pad with
-# zeros to a multiple of `world`, return a (detached) copy of chunk number `rank`.
+# Equal chunks are not a nicety: all-gather and reduce-scatter need the same size
+# on every rank.
+
+# %% [markdown]
+# **Memory that comes and goes.** Each unit has a tensor `full` of the padded size,
+# where its shards are gathered. In forward, autograd saves views of it (a `Linear`
+# keeps its weight to compute its input's gradient). If `full` were a new tensor
+# each time, those saved views would point at memory that no longer exists. So
+# `full` is created once and never replaced: FSDP releases only its *storage*, the
+# memory under the tensor (`tensor.untyped_storage()`, which can be resized in
+# place), and refills that same storage before backward.
+
+# %% [markdown]
+# ### Exercise 1: the flat shard, and memory that comes and goes
+#
+# * `shard_flat(params, rank, world) -> Tensor`: this rank's chunk of the padded flat
+#   vector, a tensor of its own with no autograd history (the unit's `nn.Parameter`
+#   is made from it);
+# * `free(unit)`, `allocate(unit)`, `is_gathered(unit) -> bool`, for a unit with a
+#   flat tensor `unit.full` of `unit.padded_numel` numbers: release all the memory
+#   behind `full` (the tensor object stays), give it back (any contents), say whether
+#   it holds memory now. `allocate` also names those bytes for memory plots:
+#   `register(unit.full, "unsharded_params")` on every tracker in
+#   `memory.active_trackers()`.
+#
+# Target: shards of 27, 18 and 14 numbers at `N` = 2, 3, 4, chunk `r` on rank `r`;
+# `full` at 0 bytes after `free`, at its padded size in bytes after `allocate`, in
+# fp32 and in bf16. Stuck? `check.hint("flat_shard")` prints the next hint (the idea
+# first, never the code); each exercise has its own.
 
 # %%
 def shard_flat(params: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
-    """Flatten + pad to a multiple of `world` + keep chunk `rank` (a copy).
+    """Chunk `rank` of `world` of the parameters, flattened in order and zero-padded; a detached copy.
 
     >>> shard_flat([torch.arange(3.), torch.tensor([3., 4.])], 1, 2)   # [0 1 2 3 4 | pad 0]
     tensor([3., 4., 0.])
     """
     # BEGIN SOLUTION
-    # HINT: the tensors flattened and concatenated in order, then zeros at the end up to the next multiple of world (math.ceil); world equal chunks; a detached copy of chunk number rank.
+    # HINT: this rank's chunk of the flat, zero-padded parameters. check.hint('flat_shard')
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     padded = math.ceil(flat.numel() / world) * world
     flat = F.pad(flat, (0, padded - flat.numel()))
     return flat.chunk(world)[rank].clone()
     # END SOLUTION
 
+
+def free(unit: "Unit") -> None:
+    """Release all the memory behind `unit.full`; the tensor object stays."""
+    # BEGIN SOLUTION
+    # HINT: no memory left behind unit.full, same tensor object. check.hint('flat_shard')
+    unit.full.untyped_storage().resize_(0)
+    # END SOLUTION
+
+
+def allocate(unit: "Unit") -> None:
+    """Memory for `unit.padded_numel` numbers behind `unit.full` again, named "unsharded_params"."""
+    # BEGIN SOLUTION
+    # HINT: memory for padded_numel numbers behind unit.full; name it. check.hint('flat_shard')
+    unit.full.untyped_storage().resize_(unit.padded_numel * unit.full.element_size())
+    for tracker in memory.active_trackers():
+        tracker.register(unit.full, "unsharded_params")
+    # END SOLUTION
+
+
+def is_gathered(unit: "Unit") -> bool:
+    """Does `unit.full` hold memory now?"""
+    # BEGIN SOLUTION
+    # HINT: True when memory is behind unit.full. check.hint('flat_shard')
+    return unit.full.untyped_storage().nbytes() > 0
+    # END SOLUTION
+
 # %%
-# CHECK: shard_flat on a 53-parameter MLP at N = 1, 2, 3, 4
-check.shard_flat(shard_flat)
+# CHECK: shard_flat at N = 2, 3, 4 on a 53-parameter MLP; free / allocate / is_gathered in fp32 and bf16
+check.flat_shard(shard_flat, free, allocate, is_gathered)
 
 # %% [markdown]
 # ### The scaffolding: a unit
 #
-# `Unit` holds one unit's state on one rank: its `shard` (an `nn.Parameter`, made by
-# your `shard_flat`; the optimizer sees only shards), the `slots` where its
-# parameters lived (`(module, attribute name, shape)`), and `full`, a flat tensor of
-# the padded size where the unit is gathered. The original parameters leave their
-# modules.
-#
-# `full` is created once and **never replaced**: exercise 2 releases its memory
-# (`free(unit)`) and gives it back (`allocate(unit)`) by resizing its *storage*, the
-# memory under the tensor, which `tensor.untyped_storage()` returns and
-# `.resize_(nbytes)` resizes in place. Why: in forward, autograd saves the weights a layer used (a
-# `Linear` keeps its weight to compute its input's gradient) — views of `full`. If
-# `full` were a new tensor each time, backward would find the saved views pointing
-# at freed memory; with the same storage refilled before backward, they see the
-# weights again. (Write into it through `unit.full.data`, so autograd does not
-# mistake the refill for an in-place change of what it saved.)
-#
-# `Unit(name, module, params)` takes the unit's parameters as `(module, attribute
-# name, parameter)` triples: the module that holds each one and its name there.
+# `Unit(name, module, params)` holds one unit's state on one rank. `params` are
+# `(module, attribute name, parameter)` triples: the module that holds each
+# parameter and its name there. The unit keeps its `shard` (an `nn.Parameter` made
+# by your `shard_flat`: the optimizer sees only shards), `full` (freed at rest by
+# your `free`), the parameters' `sizes`, `numel` and `padded_numel`, and the `slots`
+# where the parameters lived, `(module, attribute name, shape)`. The original
+# parameters leave their modules: until the unit is gathered, its modules have no
+# weights at all.
 
 # %%
 class Unit:
@@ -151,7 +186,7 @@ class Unit:
         device = dist.device()
         self.shard = nn.Parameter(shard_flat([p.to(device) for _, _, p in params], self.rank, self.world))
         self.full = torch.empty(self.padded_numel, device=device, requires_grad=True)
-        free(self)                           # at rest: no memory behind `full` (your free, exercise 2)
+        free(self)                           # at rest: no memory behind `full` (your free)
         for m, attr, _ in params:            # the original parameters leave their modules
             del m._parameters[attr]
 
@@ -159,76 +194,34 @@ class Unit:
 # %% [markdown]
 # ### Exercise 2: forward — gather before, free after
 #
-# Four moments of a step need code, and torch has a hook for each:
+# A unit's full weights should exist only while it computes. torch says when,
+# through hooks (signatures in torch's docs): `Module.register_forward_pre_hook`,
+# `Module.register_forward_hook`, `Tensor.register_hook` (called with the tensor's
+# gradient once it is computed) and `Tensor.register_post_accumulate_grad_hook`
+# (called once a leaf's `.grad` is complete). Which one tells you a unit's forward
+# starts? That it ended? That **this unit's backward is next** (whose gradient is
+# computed just before it)? That its whole gradient is ready?
 #
-# | moment | torch hook | calls |
-# |---|---|---|
-# | a unit's forward starts | `module.register_forward_pre_hook(fn)` | `fn(module, args)` |
-# | a unit's forward ended | `module.register_forward_hook(fn)` | `fn(module, args, output)` |
-# | the gradient of a unit's output is ready: its backward is next | `output.register_hook(fn)` (on a tensor) | `fn(grad)` |
-# | `unit.full.grad` holds the unit's whole gradient | `full.register_post_accumulate_grad_hook(fn)` | `fn(full)` |
-#
-# Write:
-#
-# * `free(unit)`, `allocate(unit)`, `is_gathered(unit)`: release the memory behind
-#   `unit.full` (the tensor object stays), give it back (`unit.padded_numel` numbers
-#   of `unit.full`'s dtype; then, so memory plots name these bytes, register `unit.full`
-#   as `"unsharded_params"` with every tracker in `memory.active_trackers()`), and say
-#   whether it holds memory now.
-# * `shard_model(model, unit_types)`: cut the model into units — this is what a wrap
-#   policy decides. Every submodule of one of `unit_types` (here each `Block`) is a
-#   unit, taken innermost first, and the root (`model`, named `"root"`) takes every
-#   parameter no unit took; a parameter belongs to exactly one unit. Make each
-#   `Unit`, install its hooks, return the list (root last).
-# * `gather(unit)`: if the unit is not gathered yet, allocate `full` and fill it with
-#   every rank's shard, `comm.all_gather_into_tensor(output, input)` (rank `r`'s shard
-#   lands at position `r`).
-# * `pre_forward(unit)`: gather, then put views of `full` where the parameters were:
-#   one `torch.split` of `full` by `unit.sizes` (plus the padding as a last piece),
-#   each piece `.view(shape)` and `setattr(module, attr, piece)` for each slot.
-# * `post_forward(unit, output)`: free the unit, and, if the output takes part in
-#   autograd (`output.requires_grad`), hook it so backward calls `pre_backward(unit)`
-#   (exercise 3).
-# * `install_hooks(unit)`: the two module hooks on `unit.module` calling
-#   `pre_forward` / `post_forward`, and the post-accumulate hook on `unit.full`
-#   calling `post_backward(unit)` (exercise 3).
-#
-# The check runs a forward of `gpt-tiny` cut into your units on 2 and 3 ranks (53
-# is not the only size that does not divide: at 3 ranks every unit is padded).
-# Target: one process's logits, every unit freed after forward, and `4Ψ` bytes
-# (plus padding) all-gathered, once.
+# * `shard_model(model, unit_types) -> list[Unit]`: each submodule of `unit_types`
+#   is a unit named by its module path, inner ones first; the root (`"root"`, last)
+#   takes every parameter left; each unit's hooks installed;
+# * `gather(unit)`: `unit.full` holds every rank's shard, rank `r`'s at position `r`;
+# * `pre_forward(unit)`, `post_forward(unit, output)`, `install_hooks(unit)`: the
+#   hooks' work; after forward, backward must still call `pre_backward(unit)`
+#   (exercise 3) before it needs this unit's weights.
+
+# %% [markdown]
+# Target, on 2 and 3 ranks: one process's logits; after forward every unit freed
+# and every unit's output hooked; all-gathered bytes `4 B x` the padded `Ψ`, each
+# unit once. `gpt-tiny` has `Ψ` = 42,880 parameters, so 171,520 B at 2 ranks; at 3
+# ranks each block (12,704 parameters) pads by one number and the root (17,472)
+# divides evenly: 8 B more. `check.hint("fsdp_forward")` when stuck.
 
 # %%
-def free(unit: Unit) -> None:
-    """Release the memory behind `unit.full`; the tensor object stays (autograd's saved views point into it)."""
-    # BEGIN SOLUTION
-    # HINT: resize the tensor's untyped storage in place, to no bytes at all.
-    unit.full.untyped_storage().resize_(0)
-    # END SOLUTION
-
-
-def allocate(unit: Unit) -> None:
-    """Give `unit.full` memory for its padded size again (contents undefined until filled); name it for trackers."""
-    # BEGIN SOLUTION
-    # HINT: the same storage, resized in place: its size is counted in bytes (element_size() bytes per number); then each active tracker's register(tensor, category).
-    unit.full.untyped_storage().resize_(unit.padded_numel * unit.full.element_size())
-    for tracker in memory.active_trackers():
-        tracker.register(unit.full, "unsharded_params")
-    # END SOLUTION
-
-
-def is_gathered(unit: Unit) -> bool:
-    """Does `unit.full` hold memory now?"""
-    # BEGIN SOLUTION
-    # HINT: the storage's size in bytes.
-    return unit.full.untyped_storage().nbytes() > 0
-    # END SOLUTION
-
-
 def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
-    """Each submodule of `unit_types` becomes a unit (innermost first), the root takes the rest."""
+    """A Unit for each submodule of `unit_types` (innermost first, named by path), the root last; hooks on."""
     # BEGIN SOLUTION
-    # HINT: model.named_modules() lists every submodule with its name (the root has the empty name); visit the candidates in reverse so inner ones come first; a unit's parameters are those of its modules (named_parameters without recursing, module by module) that no earlier unit took; remember what was taken by identity.
+    # HINT: one Unit per Block (path names), root last with the rest. check.hint('fsdp_forward')
     candidates = [(name, m) for name, m in model.named_modules() if name and isinstance(m, tuple(unit_types))]
     taken, units = set(), []
     for name, m in candidates[::-1] + [("root", model)]:
@@ -243,9 +236,9 @@ def shard_model(model: nn.Module, unit_types: set[type]) -> list[Unit]:
 
 
 def gather(unit: Unit) -> None:
-    """Allocate `unit.full` and all-gather every rank's shard into it (nothing if already gathered)."""
+    """`unit.full` holds every rank's shard, rank r's at position r (nothing to do if already gathered)."""
     # BEGIN SOLUTION
-    # HINT: is_gathered(unit), allocate(unit); the all-gather's output is the unit's full tensor (through .data), its input this rank's shard (detached).
+    # HINT: every rank's shard into unit.full, once. check.hint('fsdp_forward')
     if is_gathered(unit):
         return
     allocate(unit)
@@ -254,9 +247,9 @@ def gather(unit: Unit) -> None:
 
 
 def pre_forward(unit: Unit) -> None:
-    """Before the unit's forward: full parameters, and the modules pointing at pieces of them."""
+    """Before the unit's forward: its modules hold their parameters again, as pieces of `unit.full`."""
     # BEGIN SOLUTION
-    # HINT: gather first; one split of unit.full into the parameter sizes plus the padding; each slot's module gets its piece, reshaped, under the parameter's name (setattr).
+    # HINT: full weights, and each module's parameter a piece of them. check.hint('fsdp_forward')
     gather(unit)
     pieces = torch.split(unit.full, unit.sizes + [unit.padded_numel - unit.numel])
     for (module, attr, shape), piece in zip(unit.slots, pieces):
@@ -265,9 +258,9 @@ def pre_forward(unit: Unit) -> None:
 
 
 def post_forward(unit: Unit, output: torch.Tensor) -> None:
-    """After the unit's forward: free its full parameters; make backward call pre_backward(unit) first."""
+    """After the unit's forward: free it; backward must call pre_backward(unit) before this unit's backward."""
     # BEGIN SOLUTION
-    # HINT: free(unit); a hook on the output tensor runs when its gradient is ready, which is just before this unit's backward (only if the output requires grad).
+    # HINT: free the unit, and make backward gather it first. check.hint('fsdp_forward')
     free(unit)
     if output.requires_grad:
         output.register_hook(lambda grad: pre_backward(unit))
@@ -275,9 +268,9 @@ def post_forward(unit: Unit, output: torch.Tensor) -> None:
 
 
 def install_hooks(unit: Unit) -> None:
-    """Register the unit's forward-pre, forward and post-accumulate-grad hooks."""
+    """The unit's hooks: pre_forward and post_forward around its forward, post_backward once its gradient is whole."""
     # BEGIN SOLUTION
-    # HINT: three registrations (see the table): two on unit.module, one on unit.full; each calls your function for this unit (a lambda that ignores the arguments torch passes).
+    # HINT: three hooks, each calling your function. check.hint('fsdp_forward')
     unit.module.register_forward_pre_hook(lambda module, args: pre_forward(unit))
     unit.module.register_forward_hook(lambda module, args, output: post_forward(unit, output))
     unit.full.register_post_accumulate_grad_hook(lambda full: post_backward(unit))
@@ -292,41 +285,44 @@ def post_backward(unit: Unit) -> None:  # exercise 3
     raise NotImplementedError("exercise 3: write post_backward below")
 
 # %%
-# CHECK: a forward through your units on 2 and 3 ranks: one process's logits, every unit freed, Ψ gathered once
-check.fsdp_forward(shard_model, free, allocate, is_gathered, gather, pre_forward, post_forward, install_hooks)
+# CHECK: a forward through your units on 2 and 3 ranks: one process's logits, units freed and hooked, 4Ψ B once
+check.fsdp_forward(shard_model, gather, pre_forward, post_forward, install_hooks)
 
 # %% [markdown]
 # ### Exercise 3: backward — gather again, reduce-scatter, free
 #
-# * `pre_backward(unit)`: the unit's weights were freed after forward; backward needs
-#   them (and the views autograd saved point into `full`): gather again.
+# * `pre_backward(unit)`: this unit's backward is next. Autograd saved views of
+#   `unit.full` in forward; they read whatever memory `full` has now.
 # * `post_backward(unit)`: `unit.full.grad` holds this rank's gradient of the whole
-#   unit (padded flat layout, the padding's gradient zero). Take it off `full`
-#   (`unit.full.grad = None`), average it — `comm.reduce_scatter_tensor(output,
-#   input)` **sums** over ranks and leaves chunk `r` on rank `r` — into a tensor the
-#   shard's size, put that in `unit.shard.grad` (add to it if a gradient is already
-#   there), and free the unit.
-#
-# The check trains `gpt-tiny` for 3 steps (AdamW) at 1, 2, 3 and 4 ranks, then
-# `gpt-mini` for a step at 2 ranks under the memory tracker, beside
-# `minifsdp.fsdp.FullyShardedDataParallel`. Targets: one process's gradients, losses
-# and parameters (`1e-5` + `1e-4` relative); bytes per step exactly `3 x 4 B x` the
-# padded `Ψ` (no root rule here: your root is freed and gathered again like every
-# unit); the peak of a step within 25 % of the library's FSDP.
+#   unit, in the padded flat layout. Each rank must end with its own chunk of that
+#   gradient **averaged over the ranks**, in `unit.shard.grad`, added to what is
+#   already there (two backward passes before a step add up, as torch's `.grad`
+#   does). Afterwards the unit holds no full-size tensor: no weights, no gradient.
+#   `comm.reduce_scatter_tensor(output, input)` *sums* over ranks and leaves chunk `r`
+#   on rank `r`.
+
+# %% [markdown]
+# The check trains `gpt-tiny` for 3 steps (AdamW; two backward passes before the
+# first step) on 2, 3 and 4 ranks, then `gpt-mini` for a step on 2 ranks under the
+# memory tracker. Targets: one process's gradients and parameters (`1e-5` + `1e-4`
+# relative); bytes per step exactly `3 x 4 B x` the padded `Ψ` (gathered in forward,
+# gathered again in backward, reduce-scattered); the peak within 25 % of
+# `minifsdp.fsdp.FullyShardedDataParallel`'s. `check.hint("fsdp_backward")` when
+# stuck.
 
 # %%
 def pre_backward(unit: Unit) -> None:
-    """Backward of this unit is next: its full parameters must be back."""
+    """This unit's backward is next: its full parameters must be back."""
     # BEGIN SOLUTION
-    # HINT: the same gather as before forward (the views autograd saved point into unit.full).
+    # HINT: the weights this unit's backward reads. check.hint('fsdp_backward')
     gather(unit)
     # END SOLUTION
 
 
 def post_backward(unit: Unit) -> None:
-    """The unit's full gradient is complete: this rank's averaged chunk into shard.grad; free the unit."""
+    """The unit's full gradient is complete: this rank's averaged chunk into shard.grad (added); free the unit."""
     # BEGIN SOLUTION
-    # HINT: read unit.full.grad and clear it; divide by the world size; the reduce-scatter's output has the shard's size and dtype; accumulate into unit.shard.grad if it is not None; then free(unit).
+    # HINT: this rank's averaged chunk into shard.grad; nothing full left. check.hint('fsdp_backward')
     grad, unit.full.grad = unit.full.grad, None
     chunk = torch.empty_like(unit.shard)
     comm.reduce_scatter_tensor(chunk, grad.div_(unit.world))
@@ -338,18 +334,22 @@ def post_backward(unit: Unit) -> None:
     # END SOLUTION
 
 # %%
-# CHECK: whole steps at 1, 2, 3, 4 ranks against one process; 3Ψ bytes; the peak beside minifsdp's FSDP
-check.fsdp_cycle(shard_model, pre_backward, post_backward)
+# CHECK: whole steps on 2, 3, 4 ranks against one process; 3·4Ψ bytes a step; the peak beside minifsdp's FSDP
+check.fsdp_backward(shard_model, pre_backward, post_backward)
 
 # %% [markdown]
-# **Your sawtooth.** Memory over one training step of `gpt-mini` (4 blocks + root) on
-# rank 0, measured by the check with `MemoryTracker` (lab 01): your units, then
+# **Your sawtooth.** Memory over one training step of `gpt-mini` (4 blocks + root)
+# on rank 0, measured by the check with `MemoryTracker` (lab 01): your units, then
 # `minifsdp.fsdp` with FULL_SHARD (what you built, plus prefetch) and with
 # SHARD_GRAD_OP (units kept gathered from forward to backward). The other rank's
 # total is the thin line.
+#
+# **Predict first**: at the peak of your step, how many of the five units hold
+# their full weights? Note your guess; the table under the figure answers.
 
 # %%
-cyc = check.results["FSDP cycle"]
+# FIGURE
+cyc = check.results["fsdp_backward"]
 fig, axes = plt.subplots(1, 3, figsize=(11, 3.0), sharey=True)
 for ax, (who, label) in zip(axes, (("learner", "yours"), ("FULL_SHARD", "minifsdp FULL_SHARD"),
                                    ("SHARD_GRAD_OP", "minifsdp SHARD_GRAD_OP"))):
@@ -368,18 +368,28 @@ fig.suptitle(f"gpt-mini, one training step on rank 0 of {cyc['world_size']} (gre
              fontsize=10)
 plt.tight_layout()
 plt.show()
-print(f"{'':24}{'peak MiB':>9}{'unsharded params at the peak (MiB)':>36}")
+block_b, root_b = cyc["unit_bytes"]["blocks.0"], cyc["unit_bytes"]["root"]
+print(f"{'':16}{'peak MiB':>9}{'unsharded params at the peak':>30}   units full at the peak")
 for who in ("learner", "FULL_SHARD", "SHARD_GRAD_OP"):
     top = max(cyc["memory"][who], key=lambda o: o["peak"])
-    print(f"{who:<24}{top['peak'] / MiB:>9.2f}{top['peak_by_category'].get('unsharded_params', 0) / MiB:>36.2f}")
+    unsh = top["peak_by_category"].get("unsharded_params", 0)
+    with_root = unsh >= root_b and (unsh - root_b) % block_b == 0
+    blocks = (unsh - root_b * with_root) // block_b
+    print(f"{who:<16}{top['peak'] / MiB:>9.2f}{unsh / MiB:>26.2f} MiB   "
+          f"{blocks} block(s){' + the root' if with_root else ''}")
 
 # %% [markdown]
 # *Takeaway: every unit's full weights (the `unsharded_params` teeth) exist only
-# while the unit computes — in forward and again in backward — whereas SHARD_GRAD_OP
-# keeps them from forward to backward and its peak holds the whole model.*
+# while the unit computes, in forward and again in backward; SHARD_GRAD_OP keeps
+# them from forward to backward, so its peak holds the whole model.*
 #
-# Your bytes, unit by unit: each unit moved its padded size three times (gathered in
-# forward, gathered in backward, its gradient reduce-scattered).
+# Why your plot shows gradient shards as *temporary* during backward and the
+# library's as *gradients*: the tracker books a new tensor made inside backward as
+# temporary until something names it. The library names each gradient shard the
+# moment it stores it (as your `allocate` names `full`); yours are named at the
+# tracker's snapshot after backward.
+#
+# Your bytes, unit by unit: each unit moved its padded size three times.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -387,20 +397,15 @@ print(f"{'unit':<10}{'parameters':>12}{'padded':>9}{'shard':>8}")
 for name, numel, padded, shard in cyc["units"]:
     print(f"{name:<10}{numel:>12,}{padded:>9,}{shard:>8,}")
 padded_b = FP32 * sum(p for _, _, p, _ in cyc["units"])
-print(f"{N4} ranks, one step: {cyc['bytes']} = 3 x {padded_b:,} B (4 B x Ψ padded): "
+print(f"{cyc['bytes_world_size']} ranks, one step: {cyc['bytes']} = 3 x {padded_b:,} B (4 B x padded Ψ): "
       f"{sum(cyc['bytes'].values()) == 3 * padded_b}")
 
 # %% [markdown]
 # The library keeps this same cycle, minus every option, in `minifsdp/fsdp/naive.py`
 # (`NaiveFullyShardedDataParallel`, tested against one process in
-# `tests/test_fsdp_naive.py`); `fsdp/flat_param.py` and `fsdp/fully_sharded.py` add
-# the strategies, prefetch, mixed precision and state dicts. Its four hooks:
-
-# %%
-from minifsdp.fsdp import naive  # noqa: E402
-
-for fn in (naive.pre_forward, naive.post_forward, naive.pre_backward, naive.post_backward):
-    print(inspect.getsource(fn))
+# `tests/test_fsdp_naive.py`): compare it with yours now that your check has passed.
+# `fsdp/flat_param.py` and `fsdp/fully_sharded.py` add the strategies, prefetch,
+# mixed precision and state dicts.
 
 # %% [markdown]
 # ## 2. `minifsdp.fsdp` on a GPT: four sharding strategies
@@ -410,7 +415,8 @@ for fn in (naive.pre_forward, naive.post_forward, naive.pre_backward, naive.post
 # root for the rest), hooks that gather a unit just before it computes and free it
 # just after, gradients reduce-scattered while backward continues: your cycle, plus
 # prefetch, mixed precision, state dicts. Its `sharding_strategy`:
-#
+
+# %% [markdown]
 # | strategy | parameters between steps | after forward | gradients | collectives per step |
 # |---|---|---|---|---|
 # | `FULL_SHARD` (ZeRO-3) | shard | freed | reduce-scattered | all-gather x2, reduce-scatter |
@@ -421,10 +427,11 @@ for fn in (naive.pre_forward, naive.post_forward, naive.pre_backward, naive.post
 # HYBRID_SHARD is for many machines: shard within a node (fast links), replicate
 # across nodes, so only the all-reduce of a shard crosses the slow network. Here
 # `S = 2` of 4 ranks.
-#
+
+# %% [markdown]
 # The trainer (`python -m minifsdp.train` from a shell) runs each one on `gpt-mini`
-# (3.3M parameters, 4 blocks) at 4 ranks (fewer on a small GPU VM), with the memory tracker of lab 01 and the
-# tracer.
+# (3.3M parameters, 4 blocks) at 4 ranks (CPU ranks on a VM with fewer GPUs), with
+# the memory tracker of lab 01 and the tracer.
 
 # %%
 GPT_MODEL, WORLD, STEPS, BATCH, SEQ = "gpt-mini", N4, 2, 4, 16
@@ -479,6 +486,7 @@ for s in ["single"] + STRATEGY_NAMES:
           + f" {1e3 * runs[s]['median_step_time_s'][0]:>8.0f}")
 
 # %%
+# FIGURE
 fig, ax = plt.subplots(figsize=(10, 3.2))
 names = ["single"] + STRATEGY_NAMES
 left = np.zeros(len(names))
@@ -519,15 +527,17 @@ for s in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
 # and holds only the blocks in flight in backward (the one computing and the one
 # prefetched, section 4) next to the root. On a big model that whole-model copy is
 # what runs SHARD_GRAD_OP out of memory first.
-#
-# ### Bytes per step: measured against `3 x 4Ψ` and `2 x 4Ψ`
+
+# %% [markdown]
+# ### Bytes per step: measured against `3·4Ψ` and `2·4Ψ`
 #
 # `estimate.paper_comm_bytes(Ψ, strategy)` is the ZeRO paper's count (section 7), in
 # multiples of the fp32 parameter bytes `4Ψ`: FULL_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD
-# (an all-reduce, counted twice its size) 2. HYBRID_SHARD with groups of `S`: 3 inside
-# the group plus an all-reduce of a `1/S` shard, `2/S`. `estimate.comm_bytes_per_step`
-# is the exact count (each unit padded, the root rule below). The measured column is
-# what `comm` recorded inside the training steps.
+# 2 (an all-reduce moves about twice its buffer). HYBRID_SHARD with groups of `S`
+# ranks: 3 inside the group, plus an all-reduce of a `1/S` shard across groups,
+# `2·4Ψ/S` bytes. `estimate.comm_bytes_per_step` is the exact count (each unit
+# padded; the root rule, below). The measured column is what `comm` recorded inside
+# the training steps.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -535,7 +545,7 @@ psi = runs["single"]["n_params"]
 psi_b = FP32 * psi
 S = WORLD // 2
 block_numels, root_numel = estimate.fsdp_unit_numels(models.build_model(GPT_MODEL, device="meta"), (models.Block,))
-print(f"Ψ = {psi:,} parameters = {psi_b / MiB:.2f} MiB in fp32; root unit {root_numel:,} parameters")
+print(f"Ψ = {psi:,} parameters (4Ψ = {psi_b / MiB:.2f} MiB in fp32); root unit {root_numel:,} parameters")
 print(f"{'':14}{'measured MiB':>13}{'in 4Ψ':>8}{'paper':>7}{'exact MiB':>11}   by collective (MiB)")
 for s in STRATEGY_NAMES:
     moved = runs[s]["bytes_per_step"][0]
@@ -549,15 +559,16 @@ for s in STRATEGY_NAMES:
 
 # %% [markdown]
 # Every strategy meets `estimate.comm_bytes_per_step` to the byte (padding included).
-# SHARD_GRAD_OP and NO_SHARD meet the paper's `2 x 4Ψ` too. FULL_SHARD (and
-# HYBRID_SHARD) measure slightly *less* than `3 x 4Ψ`: the root unit (embeddings, final
-# norm, head) is the first one backward needs, so FSDP does not free it after
-# forward, exactly as PyTorch does, and it is gathered once per step instead of
-# twice (your version in section 1 frees the root too, and moves exactly `3 x 4Ψ`,
-# padding aside). HYBRID_SHARD moves the most bytes in total, but only its all-reduce crosses
-# between groups: on real machines that is the part that travels over the slow
-# network, and it is `2Ψ/S`, not `2Ψ`.
-#
+# SHARD_GRAD_OP and NO_SHARD meet the paper's `2·4Ψ` too. FULL_SHARD (and
+# HYBRID_SHARD) measure slightly *less* than `3·4Ψ` because of **the root rule**: the
+# root unit (embeddings, final norm, head) is the first one backward needs, so FSDP
+# does not free it after forward, exactly as PyTorch does, and it is gathered once
+# per step instead of twice. (Your version in section 1 frees the root too, and
+# moves exactly `3·4Ψ`, padding aside.) HYBRID_SHARD moves the most bytes in total,
+# but only its all-reduce crosses between groups: on real machines that is the part
+# that travels over the slow network, `2·4Ψ/S` bytes, not `2·4Ψ`.
+
+# %% [markdown]
 # ## 3. Optional deep dive: wrap policies, what becomes a unit
 #
 # A unit is what FSDP gathers at once. The `auto_wrap_policy` decides, module by
@@ -649,12 +660,13 @@ assert vs_block > 1.5, f"the text below says one unit peaks far above one unit p
 # keeps it under NO_SHARD (plain DDP) is only the sharded optimizer state: for the
 # parameters and gradients, one unit buys nothing at the peak. Since the root is
 # never freed between forward and backward, the one unit is gathered once per step
-# (`4Ψ` bytes, not `8Ψ`). Smaller units lower the unsharded part of
+# (`4Ψ` bytes of all-gather, not `2·4Ψ`). Smaller units lower the unsharded part of
 # the peak (at most the unit computing plus the one being prefetched); each unit
 # costs its own collectives, so on real hardware units that are too small lose to
 # latency. Both runs train the same model (losses within `1e-5` of one
 # process).
-#
+
+# %% [markdown]
 # ## 4. Optional deep dive: prefetch, when the next all-gather starts
 #
 # In backward the units run in reverse order, and each needs its full weights
@@ -670,9 +682,14 @@ assert vs_block > 1.5, f"the text below says one unit peaks far above one unit p
 #
 # `forward_prefetch=True` does the same in forward: while a unit computes, gather the
 # one that ran next in the previous step. `limit_all_gathers=True` (the rate limiter,
-# on by default) skips a prefetch while 2 non-root units are already unsharded, so
-# prefetching never holds more than two units. The worker runs 2 steps under each
-# setting on 2 ranks and returns the traces.
+# on by default) bounds how many units are unsharded at once. PyTorch's limiter never
+# skips an all-gather: before issuing one it makes the CPU thread wait until the GPU
+# has freed the unit gathered two all-gathers earlier, so a CPU running far ahead of
+# the GPU cannot fill the memory with gathered units. minifsdp simplifies: its steps
+# run on one thread with no GPU to wait for (waiting there would never end), so it
+# **skips** a prefetch while 2 non-root units are unsharded and that unit is gathered
+# on demand instead. The worker runs 2 steps under each setting on 2 ranks and
+# returns the traces.
 
 # %%
 NESTED = ModuleWrapPolicy({models.Block, models.FeedForward})   # each block, and each block's MLP inside it
@@ -758,6 +775,7 @@ for name in ("BACKWARD_PRE", "BACKWARD_POST", "none"):
 # reduce-scatters are in the trace too, left out of this picture).
 
 # %%
+# FIGURE
 def backward_view(tr: trace.Trace, step: int = 1) -> trace.Trace:
     """A trace of `step`'s backward only: the backward span, each block's gradient compute, the all-gathers."""
     bwd = next(s for s in tr.compute_spans() if s.name == "backward" and s.args.get("step") == step)
@@ -780,12 +798,16 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# *Takeaway: the earlier the prefetch, the more of each all-gather hides under the
+# previous block's gradient computation.*
+#
 # An all-gather's bar runs from the moment it is issued to the moment its unit waits
 # for it (the first one, blocks.3's, is prefetched by the root as backward begins).
 # With `BACKWARD_PRE` each block's all-gather starts under the previous block's
-# gradient bar; with `BACKWARD_POST` it starts only once that bar has ended; with
-# none it starts when the block itself is reached, and the block waits for it. On a GPU the all-gather runs on its own stream and hides behind compute;
-# on CPU gloo works in a background thread, so the overlap is partial.
+# gradient bar; with `BACKWARD_POST` only once that bar has ended; with none when the
+# block itself is reached, and the block waits for it. On a GPU the all-gather runs
+# on its own stream and hides behind compute; on CPU gloo works in a background
+# thread, so the overlap is partial.
 #
 # The rate limiter, counted by the root (`model.stats`). The last two settings nest
 # units: each block's MLP is a unit of its own inside the block's unit, so while the
@@ -809,8 +831,10 @@ assert same
 # prefetches (the next block is then gathered on demand) and keeps the count at two;
 # without it, three units are full at once. On GPUs the limiter matters more: the
 # CPU issues work far ahead of the GPU, and without a bound it could start the
-# all-gathers of many units and fill the memory with them before the GPU gets there.
-#
+# all-gathers of many units and fill the memory with them before the GPU gets there
+# (PyTorch's limiter makes the CPU wait there; minifsdp's skips the prefetch).
+
+# %% [markdown]
 # ## 5. Optional deep dive: checkpoints, save a full state dict and resume in a fresh launch
 #
 # `FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, ...)` makes
@@ -930,16 +954,18 @@ assert ours_moved == torch_moved, "minifsdp and torch FSDP should move the same 
 # shared CPU cores, so it is noisy (repeat it, or run `python -m minifsdp.bench`);
 # the trainer counts PyTorch's collectives too
 # (`minifsdp.torch_reference.count_collectives`), and the bytes agree (line above).
+
+# %% [markdown]
+# ## Summary
 #
-# **Summary.** FSDP keeps `1/N` of every parameter, gradient and optimizer state
-# per rank, in one flat padded shard per unit, and gathers a unit only while it
-# computes: you built that cycle with four hooks on a multi-unit GPT and matched one
-# process at 1 to 4 ranks, `3 x 4Ψ` bytes per step. The sharding strategies trade
-# memory for bytes (`3 x 4Ψ` FULL_SHARD, `2 x 4Ψ` SHARD_GRAD_OP and NO_SHARD, measured
-# to the byte, the root's single gather included),
-# the wrap policy decides how much is full at once, prefetch decides when the next
-# gather starts, and a full state dict resumes bit-exactly at the same world size
-# and within `1e-5` at another.
+# FSDP keeps `1/N` of every parameter, gradient and optimizer state per rank, in
+# one flat padded shard per unit, and gathers a unit only while it computes: you
+# built that cycle with four hooks on a multi-unit GPT and matched one process on 2
+# to 4 ranks, moving exactly `3·4Ψ` bytes per step. The sharding strategies trade
+# memory for bytes (`3·4Ψ` FULL_SHARD, `2·4Ψ` SHARD_GRAD_OP and NO_SHARD, measured to
+# the byte, the root's single gather included), the wrap policy decides how much is
+# full at once, prefetch decides when the next gather starts, and a full state dict
+# resumes bit-exactly at the same world size and within `1e-5` at another.
 
 # %%
 print(f"the whole notebook ran in {time.perf_counter() - notebook_start:.1f} s")
