@@ -66,9 +66,14 @@ __all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all
 CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
 
 # torch 2.13 renamed the single-tensor collectives (the old names now warn);
-# older releases only have the old names.
-_all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+# older releases only have the old names. Looked up at each call, not bound at import, so a wrapper
+# installed later (fake_gpu's device check) sees them too.
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 # The labels of the open ``annotate`` blocks, outermost first. One list per

@@ -63,9 +63,9 @@ from . import dist
 
 FAKE_GPU = torch.device("cpu")  # compared by identity: `device is FAKE_GPU`
 ENV = "MINIFSDP_FAKE_GPU"
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "reduce", "send", "recv", "isend", "irecv", "all_to_all_single",
-                "all_to_all", "gather", "scatter")
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "reduce", "send", "recv",
+                "isend", "irecv", "all_to_all_single", "all_to_all", "gather", "scatter")
 
 
 class DeviceDisciplineError(RuntimeError):

@@ -73,3 +73,16 @@ def test_cpu_tensor_to_a_collective_is_caught(worker):
 def test_without_the_flag_nothing_changes(monkeypatch):
     monkeypatch.delenv(ENV)
     launch(_cpu_factory, 2, timeout=60)  # fine on a CPU machine: that is why the flag exists
+
+
+def _cpu_all_gather_single():
+    out = torch.empty(2 * 3, device=dist.device())
+    comm.all_gather_into_tensor(out, torch.ones(3))   # the input forgot device=dist.device()
+    return True
+
+
+def test_single_tensor_collectives_are_checked_too(monkeypatch):
+    """comm's all_gather_into_tensor / reduce_scatter_tensor (torch's *_single) go through the device check."""
+    monkeypatch.setenv(ENV, "2")
+    with pytest.raises(WorkerError, match="DeviceDisciplineError: all_gather_(single|into_tensor) got a"):
+        launch(_cpu_all_gather_single, 2, timeout=60)

@@ -78,7 +78,8 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
       stay plain (not sharded, gradients not synchronized).
     * ``backward_prefetch`` / ``forward_prefetch``: gather the next unit early.
       ``limit_all_gathers``: a prefetch is skipped while ``MAX_UNSHARDED_UNITS``
-      non-root units are unsharded (torch bounds in-flight all-gathers the same way).
+      non-root units are unsharded (torch instead blocks the CPU thread until the
+      oldest in-flight all-gather's memory is freed; skipping the prefetch is minifsdp's simplification).
     * ``mixed_precision`` (``MixedPrecision``: ``minifsdp/mixed_precision/policy.py``), ``cpu_offload``
       (``CPUOffload`` or a bool). FairScale's flags, with FairScale's meaning:
       ``mixed_precision=True`` (fp16 compute and reduction), ``fp32_reduce_scatter``,

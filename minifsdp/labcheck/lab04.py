@@ -32,10 +32,7 @@ the learner's part of each worker.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-import types
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -56,41 +53,6 @@ __all__ = ["flat_shard", "fsdp_forward", "fsdp_backward", "hint", "results", "LI
 LIBRARY = (naive.NaiveFullyShardedDataParallel, naive.FlatUnit, naive.pre_forward, naive.post_forward,
            naive.pre_backward, naive.post_backward, FullyShardedDataParallel, FlatParamHandle)
 
-
-def _wired(*library: Any) -> tuple:
-    """The functions the run-time wire watches: each library function, and every method of each library class
-    (its minifsdp bases too), UNWRAPPED. Handing a class to ``Wire`` as it is would watch the wrapper of a
-    ``contextlib.contextmanager`` method (``FullyShardedDataParallel.no_sync``), whose code is contextlib's,
-    shared by every context manager: any ``with`` would trip it. Built in this process and in each worker from
-    module globals, so no code object crosses a pickle."""
-    package = str(Path(__file__).resolve().parent.parent)
-    out: list = []
-
-    def add(fn: Any) -> None:
-        fn = inspect.unwrap(fn)
-        if isinstance(fn, types.FunctionType) and fn.__code__.co_filename.startswith(package):
-            out.append(fn)
-    for obj in library:
-        if not isinstance(obj, type):
-            add(obj)
-            continue
-        for klass in obj.__mro__:
-            if not (getattr(klass, "__module__", "") or "").startswith("minifsdp."):
-                continue
-            for value in vars(klass).values():
-                for fn in (getattr(value, "__func__", None), getattr(value, "fget", None), value):
-                    if isinstance(fn, types.FunctionType):
-                        add(fn)
-                        break
-    return tuple(out)
-
-
-WIRED = _wired(*LIBRARY)
-# The static guard takes the classes (identity, subclasses) and the unwrapped functions, but not the class of
-# FullyShardedDataParallel itself: authorship's static walk would take the code of its contextmanager methods
-# (contextlib's, shared by trace.span and comm.annotate) for the library's. Its methods are in WIRED, and the
-# run-time wire sees it (and any subclass of it) construct.
-STATIC = tuple(obj for obj in LIBRARY if obj is not FullyShardedDataParallel) + WIRED
 
 results: dict[str, Any] = {}   # what the last run of each check measured, for the lab's plots
 MODEL, STEPS, BATCH, SEQ, LR = "gpt-tiny", 3, 12, 16, 1e-3   # 12 rows: 2, 3 or 4 ranks split them evenly
@@ -176,7 +138,7 @@ def _guard(what: str, **fns: Callable) -> None:
     """Written, and not the library in any form a reader of the code can see."""
     require_written(what, *fns.values())
     for fn in fns.values():
-        refuse_library(what, fn, *STATIC)
+        refuse_library(what, fn, *LIBRARY)
 
 
 def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -189,7 +151,7 @@ def flat_shard(shard_flat: Callable[[list[torch.Tensor], int, int], torch.Tensor
     """``shard_flat`` on a 53-parameter MLP at N = 2, 3, 4; free / allocate / is_gathered on fp32 and bf16."""
     what = "flat shard"
     _guard(what, shard_flat=shard_flat, free=free, allocate=allocate, is_gathered=is_gathered)
-    shard_flat = watched(shard_flat, *WIRED)
+    shard_flat = watched(shard_flat, *LIBRARY)
     params = list(models.build_model("mlp", dims=(6, 5, 3)).parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     for n in (2, 3, 4):
@@ -229,7 +191,7 @@ def flat_shard(shard_flat: Callable[[list[torch.Tensor], int, int], torch.Tensor
 
 def _storage_cycle(what: str, free: Callable, allocate: Callable, is_gathered: Callable) -> None:
     """free / allocate / is_gathered in this process, on stand-in units of 10 fp32 and 6 bf16 numbers."""
-    free, allocate, is_gathered = (watched(f, *WIRED) for f in (free, allocate, is_gathered))
+    free, allocate, is_gathered = (watched(f, *LIBRARY) for f in (free, allocate, is_gathered))
     for dtype, numel in ((torch.float32, 10), (torch.bfloat16, 6)):
         full = torch.zeros(numel, dtype=dtype, device=dist.device(), requires_grad=True)
         unit = SimpleNamespace(name="test", full=full, padded_numel=numel, numel=numel)
@@ -326,12 +288,12 @@ def _fsdp_worker(mode: str, shard_model: Callable | None, model_name: str, steps
     tracker, tracer = MemoryTracker(), trace.Tracer(rank=rank)
     out: dict[str, Any] = {"mode": mode, "losses": []}
     learner = mode == "learner"
-    with Wire(*WIRED) if learner else contextlib.nullcontext():
+    with Wire(*LIBRARY) if learner else contextlib.nullcontext():
         units = list(shard_model(model, {models.Block})) if learner else []
     # The wire watches every call (sys.setprofile): a memory-tracked step runs ~4x slower under it, which would
     # stretch the learner's memory curve beside the library's. That run repeats code the gpt-tiny runs of the
     # same check already watched step by step; its units are still built under the wire (above).
-    wire = (lambda: Wire(*WIRED)) if learner and not track_memory else contextlib.nullcontext   # noqa: E731
+    wire = (lambda: Wire(*LIBRARY)) if learner and not track_memory else contextlib.nullcontext   # noqa: E731
     if learner:
         net, params = model, [u.shard for u in units]
         out["units"] = [(u.name, u.numel, u.padded_numel, u.shard.numel()) for u in units]
