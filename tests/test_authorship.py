@@ -167,3 +167,10 @@ def test_wire_sees_a_c_function():
         with Wire(torch._amp_update_scale_):
             growth = torch.zeros(1, dtype=torch.int32)
             torch._amp_update_scale_(torch.ones(1), growth, torch.zeros(1), 2.0, 0.5, 2000)
+
+
+def test_an_import_inside_the_body_is_followed():
+    ns = _cell("def layout(params, cap):\n    from minifsdp.ddp import bucket_assignment as b\n    return b(params, cap)\n"
+               "def deep(params, cap):\n    import minifsdp.ddp.bucketed as m\n    return m.bucket_assignment(params, cap)\n")
+    assert "bucket_assignment" in library_reached(ns["layout"], bucket_assignment)[0]
+    assert "bucket_assignment" in library_reached(ns["deep"], bucket_assignment)[0]

@@ -174,20 +174,25 @@ def watched(fn: Callable[..., Any], *library: Any) -> Callable[..., Any]:
 
 
 # ------------------------------------------------------------------ statically
-def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
-    """(global names the code reads, attribute names it reads): ``d.NaiveDataParallel`` is a global ``d`` and
-    an attribute ``NaiveDataParallel``, which only counts when read off a module."""
+def _names(code: types.CodeType) -> tuple[set[str], set[str], set[str]]:
+    """(global names the code reads, attribute names it reads, modules it imports): ``d.NaiveDataParallel`` is
+    a global ``d`` and an attribute ``NaiveDataParallel``, which only counts when read off a module; an import
+    in the body (``from minifsdp.zero import OSS as O``) is a module and an attribute ``OSS``."""
     globals_read: set[str] = set()
     attributes: set[str] = set()
+    imports: set[str] = set()
     for c in code_objects(code):
         for ins in dis.get_instructions(c):
             if not isinstance(ins.argval, str):
                 continue
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                 globals_read.add(ins.argval)
-            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"):
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM"):
                 attributes.add(ins.argval)
-    return globals_read, attributes
+            elif ins.opname == "IMPORT_NAME":
+                imports.add(ins.argval)
+                attributes.update(ins.argval.split("."))
+    return globals_read, attributes, imports
 
 
 def learner_owned(obj: Any) -> bool:
@@ -253,7 +258,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
         if not isinstance(obj, types.FunctionType) or not learner_owned(obj):
             return
         path = via or ""
-        global_names, names = _names(obj.__code__)
+        global_names, names, imports = _names(obj.__code__)
         names |= global_names
         referenced: list[Any] = []
         for name in global_names:
@@ -266,6 +271,7 @@ def library_reached(fn: Any, *library: Any) -> list[str]:
                 pass
         referenced += [(d, "a default argument") for d in (obj.__defaults__ or ())]
         modules = [value for value, _ in referenced if isinstance(value, types.ModuleType)]
+        modules += [sys.modules[m] for m in imports if m in sys.modules]  # imported inside the body
         while modules:  # attributes read off modules it holds: minifsdp.ddp.bucket_assignment, d.NaiveDataParallel
             module = modules.pop()
             if id(module) in seen:
