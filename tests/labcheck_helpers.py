@@ -24,6 +24,7 @@ from __future__ import annotations
 import linecache
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,7 +84,7 @@ def fails(check, *args, words: str) -> str:
 
 
 __all__ = ["lab_tests", "mistakes_match", "solution_passes", "blank_fails", "fails", "load", "edits_apply",
-           "shortcut_fails", "ROOT", "cells", "namespace", "fails_with"]
+           "shortcut_fails", "run_cell", "ROOT", "cells", "namespace", "fails_with"]
 
 
 def mistakes_match(stem: str, *mistakes: tuple[tuple[str, str], ...]) -> None:
@@ -124,6 +125,14 @@ def lab_tests(stem: str, checks: list[tuple], mistakes: tuple, words: tuple[str,
     def edits() -> None:
         mistakes_match(stem, *mistakes)
     return solution, blank, edits
+
+
+def run_cell(ns: dict, source: str) -> dict:
+    """Run ``source`` in the notebook namespace ``ns`` (a ``__main__`` module: launch sends what it defines to
+    the workers by value), as a learner's cell run after the lab's: a mistake or a shortcut that replaces an
+    exercise. Returns ``ns``."""
+    exec(compile(textwrap.dedent(source), "<learner's cell>", "exec"), ns)  # noqa: S102 - the test's own text
+    return ns
 
 
 def shortcut_fails(check: Callable, *args: Any) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, shortcut_fails  # noqa: F401
+from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails  # noqa: F401
 
 L00 = "00_collectives"
 
@@ -124,8 +124,7 @@ SHORTCUTS = {
 @pytest.mark.parametrize("name", list(SHORTCUTS))
 def test_lab00_library_shortcut_fails(lab00, name):
     check, names, code = SHORTCUTS[name]
-    ns = load(L00)
-    exec(code, ns)  # noqa: S102 - the shortcut replaces the exercise in the notebook's namespace (__main__)
+    ns = run_cell(load(L00), code)
     message = shortcut_fails(getattr(lab00, check), *(ns[n] for n in names))
     assert "library" in message
 

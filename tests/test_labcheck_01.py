@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, shortcut_fails  # noqa: F401
+from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails  # noqa: F401
 
 L01 = "01_memory_anatomy"
 EXTRA01 = ("mlp_shapes = {", "tiny = models.build_model")
@@ -124,8 +124,7 @@ SHORTCUTS = {
 @pytest.mark.parametrize("name", list(SHORTCUTS))
 def test_lab01_library_shortcut_fails(lab01, name):
     check, names, code = SHORTCUTS[name]
-    ns = load(L01, extra=EXTRA01)
-    exec(code, ns)  # noqa: S102 - the shortcut replaces the exercise in the notebook's namespace
+    ns = run_cell(load(L01, extra=EXTRA01), code)
     shortcut_fails(getattr(lab01, check), *(ns[n] for n in names))
 
 

@@ -10,11 +10,10 @@ See labcheck_helpers.py for how the notebook's cells are loaded.
 """
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, shortcut_fails  # noqa: F401
+from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails  # noqa: F401
 
 L02 = "02_data_parallel"
 EXTRA02: tuple[str, ...] = ()
@@ -29,9 +28,7 @@ def lab02():
 def with_code(code: str) -> dict:
     """The solution's namespace (a ``__main__`` module, so launch sends its functions by value), with
     ``code`` run in it: a learner's replacement of an exercise."""
-    ns = load(L02, extra=EXTRA02)
-    exec(compile(textwrap.dedent(code), "<learner's cell>", "exec"), ns)  # noqa: S102 - the test's own text
-    return ns
+    return run_cell(load(L02, extra=EXTRA02), code)
 
 
 def test_lab02_solution_passes(lab02, capsys):

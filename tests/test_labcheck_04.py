@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, shortcut_fails
+from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab04
 
 STEM = "04_fsdp"
@@ -197,9 +197,7 @@ def post_backward(unit):
 
 def shortcut_ns(body: str) -> dict:
     """The solution's namespace, with shard_model and the hooks replaced by a shortcut (exec'd as a cell)."""
-    ns = ns04()
-    exec(compile(body + EMPTY_HOOKS, "<shortcut cell>", "exec"), ns)  # noqa: S102 - the test's own text
-    return ns
+    return run_cell(ns04(), body + EMPTY_HOOKS)
 
 
 SUBCLASS = """
@@ -277,8 +275,7 @@ def post_backward(unit: Unit) -> None:
 
 def test_backward_library_shortcuts():
     for body in (LIB_REDUCE, HIDDEN_REDUCE):
-        ns = ns04()
-        exec(compile(body, "<shortcut cell>", "exec"), ns)  # noqa: S102 - the test's own text
+        ns = run_cell(ns04(), body)
         message = shortcut_fails(backward, ns)
         assert "reduce_scatter_grad" in message or "naive" in message, message
     # the whole cycle from the library: its units, the lab's hooks left empty

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, shortcut_fails
+from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab05
 
 STEM = "05_mixed_precision"
@@ -28,9 +28,7 @@ def ns05(*edits: tuple[str, str], blank: bool = False) -> dict:
 
 def with_cell(body: str, *edits: tuple[str, str]) -> dict:
     """The solution's namespace with one more cell run after it (a shortcut replacing an exercise)."""
-    ns = ns05(*edits)
-    exec(compile(body, "<shortcut cell>", "exec"), ns)  # noqa: S102 - the test's own text
-    return ns
+    return run_cell(ns05(*edits), body)
 
 
 def ex1(ns: dict) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from minifsdp.checkpoint import ReentrantCheckpointFunction, checkpoint
-from labcheck_helpers import fails, lab_tests, load, shortcut_fails
+from labcheck_helpers import fails, lab_tests, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab06
 
 L06 = "06_activation_checkpointing"
@@ -83,9 +83,7 @@ def test_prediction_mistakes():
 # ------------------------------------------------------------------ library shortcuts, one set per exercise
 def _shortcut(source: str) -> dict:
     """The notebook's namespace (imports and solution) with ``source`` run on top, as a learner's cell."""
-    ns = load(L06)
-    exec(compile(source, "<shortcut cell>", "exec"), ns)  # noqa: S102 - the test's own learner code
-    return ns
+    return run_cell(load(L06), source)
 
 
 def _refused(check, *args) -> str:

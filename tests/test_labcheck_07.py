@@ -10,12 +10,11 @@ notebook kept.
 """
 from __future__ import annotations
 
-import textwrap
 from typing import Callable
 
 import pytest
 
-from labcheck_helpers import fails, lab_tests, load, shortcut_fails
+from labcheck_helpers import fails, lab_tests, load, run_cell, shortcut_fails
 from minifsdp import pipeline
 from minifsdp.labcheck import lab07
 
@@ -49,9 +48,7 @@ test_solution_passes_every_check, test_blank_lab_fails_every_check, test_mistake
 def shortcut(source: str, name: str) -> Callable:
     """A learner's shortcut, written in a notebook cell after the lab's exercises (exec'd as ``__main__``,
     so ``launch`` sends it to the workers by value)."""
-    ns = load(L07)
-    exec(compile(textwrap.dedent(source), "<a learner's cell>", "exec"), ns)  # noqa: S102 - test code
-    return ns[name]
+    return run_cell(load(L07), source)[name]
 
 
 KEPT_PLANS = """

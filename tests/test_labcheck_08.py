@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from labcheck_helpers import fails, lab_tests, load, shortcut_fails
+from labcheck_helpers import fails, lab_tests, load, run_cell, shortcut_fails
 from minifsdp import tensor_parallel as tpl
 from minifsdp.labcheck import lab08
 
@@ -89,9 +89,7 @@ def test_loss_and_sequence_parallel_mistakes():
 # ------------------------------------------------------------------ library shortcuts, one set per exercise
 def _with(source: str) -> dict:
     """The solution's namespace (a notebook's __main__), then a learner's cell that swaps in the library."""
-    ns = load(L08)
-    exec(compile(source, "<learner's shortcut>", "exec"), ns)  # noqa: S102 - the test's own cell
-    return ns
+    return run_cell(load(L08), source)
 
 
 # Written so that reading the code does not show the library: only the run-time wire can tell.

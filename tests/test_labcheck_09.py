@@ -2,7 +2,7 @@
 lab and typical mistakes (the solution with one small edit) fail with one sentence."""
 from __future__ import annotations
 
-from labcheck_helpers import fails, lab_tests, load, shortcut_fails
+from labcheck_helpers import fails, lab_tests, load, run_cell, shortcut_fails
 from minifsdp import planner
 from minifsdp.labcheck import lab09
 
@@ -50,9 +50,7 @@ def _ex(edits=()):
 
 def _defined(source: str) -> dict:
     """Shortcut code as a learner writes it in a notebook cell (module __main__: launch sends it by value)."""
-    ns = {"__name__": "__main__"}
-    exec(compile(source, "<learner cell>", "exec"), ns)
-    return ns
+    return run_cell({"__name__": "__main__"}, source)
 
 
 def test_two_d_mistakes():

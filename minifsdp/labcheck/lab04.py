@@ -539,6 +539,6 @@ def fsdp_backward(shard_model: Callable, pre_backward: Callable, post_backward: 
                      f"(FULL_SHARD) {lib / 2**20:.2f} MiB: more than {PEAK_MARGIN:.0%} apart; free each unit right "
                      "after its forward and right after its gradient is reduce-scattered")
     passed(what, f"one process's gradients and parameters (max |diff| {worst:.1e}) at {', '.join(map(str, sizes))} "
-                 f"ranks; bytes per step at {sizes[-1]} ranks: yours {sum(got.values()):,} B, target 3 x 4 B x "
-                 f"padded Ψ = {3 * padded:,} B; peak on {MEM_MODEL}, {n_mem} ranks: yours {mine / 2**20:.2f} MiB, "
+                 f"ranks; bytes per step at {sizes[-1]} ranks: yours {sum(got.values()):,} B, target 3·4Ψ "
+                 f"(Ψ padded) = {3 * padded:,} B; peak on {MEM_MODEL}, {n_mem} ranks: yours {mine / 2**20:.2f} MiB, "
                  f"target within {PEAK_MARGIN:.0%} of minifsdp FSDP's {lib / 2**20:.2f} MiB")
