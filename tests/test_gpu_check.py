@@ -38,5 +38,6 @@ def test_gpu_check_table_under_pretend_counts(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setenv("MINIFSDP_FAKE_GPU", "2")
     steps = gpu_check.device_rows(2)
     assert [r["lab"] for r in steps] == ["step fp32", "step bf16"] and all(not r["error"] for r in steps), steps
+    assert steps[1]["passed"] == 1 and "vs fp32" in steps[1]["detail"], steps  # bf16 held to fp32's loss
     text = gpu_check.table([one, two, *steps], "CPU, pretend 2 GPU(s)")
     assert text.count("\n| ") == 5 and "| 01_two | 2r gloo x1 | 1 | 0 |" in text
