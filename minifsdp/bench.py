@@ -22,18 +22,20 @@ medians and ratios (minifsdp / torch):
   block freed so far, so a side that frees one big temporary each step (torch's
   bf16 compress hook: a 13 MB bf16 copy per bucket) keeps later mid-sized blocks
   (AdamW's temporaries) on the heap, while the other side has them mapped and
-  page-faulted again every step. Measured: ddp%bf16 vs torch-ddp%bf16 at 4
-  ranks, the optimizer phase 70 vs 40 ms unpinned, 34 vs 42 ms pinned.
+  page-faulted again every step (README's bench section has the measurement).
 * activations (with any ``side#full``/``side#selective``) — what autograd holds
   after one rank's forward, per ``--checkpoint`` mode: ``estimate``'s prediction
   beside the memory tracker's measurement (``activation_rows``).
 
-A side is ``strategy`` or ``strategy@OPTION``, the option being the
-sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)::
+A side is ``strategy[@OPTION][#CHECKPOINT][%PRECISION]``, parsed once into a
+``Side``: the option is the sharding strategy (FULL_SHARD, SHARD_GRAD_OP,
+NO_SHARD, HYBRID_SHARD) or, for pipelines, the schedule; ``#full`` /
+``#selective`` the activation checkpointing; ``%bf16`` / ``%fp16`` /
+``%autocast`` the precision::
 
     python -m minifsdp.bench --model gpt-small --world-sizes 2 4 \\
         --pairs ddp:torch-ddp fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP
-    python -m minifsdp.bench --preset issue4      # every pair of README's table
+    python -m minifsdp.bench --preset sharding    # DDP / ZeRO / every FSDP sharding strategy vs torch
     python -m minifsdp.bench --preset checkpoint  # side#full, side#selective: activation checkpointing
     python -m minifsdp.bench --preset pipeline    # pp@SCHEDULE vs torch-pp@SCHEDULE
     python -m minifsdp.bench --preset precision   # side%bf16 (MixedPrecision policy), side%autocast
@@ -63,40 +65,38 @@ from typing import Any
 
 import torch
 
-from . import estimate, models, planner
+from . import estimate, models
+from .layout import MULTI_STAGE_SCHEDULES
 from .memory import ACTIVATIONS, MemoryTracker
-from .train import (SHARDED_GRAD_STRATEGIES, SHARDING_OPTIONS, STRATEGIES, TrainConfig, apply_checkpointing, train,
-                    validate)
+from .records import TrainConfig, apply_checkpointing
+from .train import STRATEGIES, train, validate
 
-# Every pair of issue 4 (ZeRO-1/2/3 and each sharding strategy beside torch's own).
 PRESETS: dict[str, tuple[str, ...]] = {
-    "issue4": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
-               "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
-               "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
-               "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
-    # Issue 9: activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper.
+    # ZeRO-1/2/3 and each sharding strategy beside torch's own
+    "sharding": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
+                 "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
+                 "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
+                 "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
+    # activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper
     "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
-    # Issue 10: each pipeline schedule beside torch.distributed.pipelining's (pp = world size,
-    # m = 2 x pp micro-batches, v = 2 stages per rank for interleaved and zero-bubble).
-    # Issue 9: mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a
-    # MixedPrecision policy, torch's own on torch's side), side%autocast runs forward under torch.autocast.
-    # %fp16 adds the gradient scaler: ShardedGradScaler beside torch's (FSDP), GradScaler beside torch.amp's (DDP).
+    # mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a MixedPrecision
+    # policy, torch's own on torch's side), side%autocast runs forward under torch.autocast. %fp16 adds the
+    # gradient scaler: ShardedGradScaler beside torch's (FSDP), GradScaler beside torch.amp's (DDP).
     "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
                   "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "ddp%bf16:torch-ddp%bf16",
                   "fsdp%fp16:torch-fsdp%fp16", "ddp%fp16:torch-ddp%fp16"),
+    # each pipeline schedule beside torch.distributed.pipelining's (pp = world size, m = 2 x pp
+    # micro-batches, v = 2 stages per rank for interleaved and zero-bubble)
     "pipeline": ("pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b", "pp@interleaved:torch-pp@interleaved",
                  "pp@zero-bubble:torch-pp@zero-bubble"),
-    # Issue 11: Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size).
-    # tp%bf16: autocast, its forward all-reduces 16-bit.
+    # Megatron tensor parallel beside torch.distributed.tensor.parallel (tp = world size);
+    # tp%bf16: autocast, its forward all-reduces 16-bit
     "tensor": ("tp:torch-tp", "fsdp+tp:torch-fsdp+tp", "tp#full:torch-tp#full", "tp%bf16:torch-tp%bf16"),
 }
 # A preset's model when --model is not given: tensor parallel at 4 ranks needs heads divisible by 4
-# (gpt-small has 6). On a CPU without AVX512-BF16, bf16 is emulated (a gpt-small bf16 step took ~66 s on
-# one such machine): run --preset precision with --model gpt-mini there.
+# (gpt-small has 6). On a CPU without AVX512-BF16 bf16 is emulated and slow: run --preset precision
+# with --model gpt-mini there.
 PRESET_MODELS = {"tensor": "gpt-mini"}
-TP_SIDES = ("tp", "torch-tp")  # tp = the world size
-TP2D_SIDES = ("fsdp+tp", "torch-fsdp+tp")  # dp = world size / 2, tp = 2
-PIPELINE_SIDES = ("pp", "torch-pp")  # their @option is the schedule
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 LOSS_RTOL = 1e-5  # fp32, a few AdamW steps: as tests/test_train.py
 
@@ -119,76 +119,90 @@ class BenchConfig:
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
 
-def parse_side(side: str) -> tuple[str, str | None]:
-    """``"fsdp@SHARD_GRAD_OP"`` -> ``("fsdp", "SHARD_GRAD_OP")``; ``"ddp"`` -> ``("ddp", None)`` (``#...``: see
-    ``side_checkpoint``)."""
-    name, _, option = side.partition("#")[0].partition("%")[0].partition("@")
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
-    if not option:
-        return name, None
-    options = PIPELINE_SCHEDULES if name in PIPELINE_SIDES else SHARDING_OPTIONS.get(name)
-    if options is None:
-        takes = ", ".join(SHARDING_OPTIONS)
-        raise ValueError(f"{name!r} takes no @option in --pairs (only {takes} do); write {name!r} alone")
-    if option not in options:
-        raise ValueError(f"unknown option {option!r} for {name} in --pairs; choose from: {', '.join(options)}")
-    return name, option
-
-
-def side_checkpoint(side: str) -> str:
-    """``"fsdp#full"`` -> ``"full"``: the side's ``--checkpoint`` (none, full, selective); no ``#``: ``"none"``."""
-    mode = side.partition("#")[2].partition("%")[0] or "none"
-    if mode not in ("none", "full", "selective"):
-        raise ValueError(f"unknown checkpointing {mode!r} in --pairs side {side!r}; write side#full or side#selective")
-    return mode
-
-
 PRECISION_SUFFIXES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp16": ("fp16", False),
                       "autocast": ("fp32", True)}
 LOSS_RTOL_BY_PRECISION = {"fp32": LOSS_RTOL, "bf16": 2.0**-8, "fp16": 2.0**-11}  # one ulp of the compute dtype
 
 
-def side_precision(side: str) -> tuple[str, bool]:
-    """``"fsdp%bf16"`` -> ``("bf16", False)`` (train --precision bf16); ``"fsdp%autocast"`` -> ``("fp32", True)``."""
-    suffix = side.partition("%")[2].partition("#")[0] or "fp32"
-    if suffix not in PRECISION_SUFFIXES:
-        raise ValueError(f"unknown precision {suffix!r} in --pairs side {side!r}; write side%bf16, side%fp16 or "
-                         "side%autocast")
-    return PRECISION_SUFFIXES[suffix]
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One side of a pair, ``name@option#checkpoint%precision`` parsed once: ``Side.parse("fsdp@SHARD_GRAD_OP#full")``."""
+
+    text: str
+    name: str
+    option: str | None = None      # the sharding strategy, or a pipeline's schedule
+    checkpoint: str = "none"       # none | full | selective
+    precision: str = "fp32"
+    autocast: bool = False
+
+    @classmethod
+    def parse(cls, side: str) -> "Side":
+        head, _, precision = side.partition("%")
+        head, _, mode = head.partition("#")
+        if "#" in precision:  # "%bf16#full" as well as "#full%bf16"
+            precision, _, mode = precision.partition("#")
+        name, _, option = head.partition("@")
+        record = STRATEGIES.get(name)
+        if record is None:
+            raise ValueError(f"unknown strategy {name!r} in --pairs; choose from: {', '.join(STRATEGIES)}")
+        options = PIPELINE_SCHEDULES if "pp" in record.degrees else record.sharding_options
+        if option and not options:
+            takes = ", ".join(n for n, r in STRATEGIES.items() if r.sharding_options)
+            raise ValueError(f"{name!r} takes no @option in --pairs (only {takes} do); write {name!r} alone")
+        if option and option not in options:
+            raise ValueError(f"unknown option {option!r} for {name} in --pairs; choose from: {', '.join(options)}")
+        if (mode or "none") not in ("none", "full", "selective"):
+            raise ValueError(f"unknown checkpointing {mode!r} in --pairs side {side!r}; write side#full or "
+                             "side#selective")
+        if (precision or "fp32") not in PRECISION_SUFFIXES:
+            raise ValueError(f"unknown precision {precision!r} in --pairs side {side!r}; write side%bf16, side%fp16 "
+                             "or side%autocast")
+        dtype, autocast = PRECISION_SUFFIXES[precision or "fp32"]
+        return cls(side, name, option or None, mode or "none", dtype, autocast)
+
+    @property
+    def record(self) -> Any:
+        return STRATEGIES[self.name]
+
+    @property
+    def loss_rtol(self) -> float:
+        return LOSS_RTOL_BY_PRECISION["bf16" if self.autocast else self.precision]
+
+    def train_config(self, model: str, world_size: int, batch_size: int = 8, **kw: Any) -> TrainConfig:
+        """The trainer's config for this side at ``world_size`` ranks: a pipeline over all of them (m = 2 x pp,
+        v = 2 for interleaved and zero-bubble), tp = world size, fsdp+tp's 2D as (world/2) x 2."""
+        degrees = self.record.degrees
+        if "pp" in degrees:
+            schedule = self.option or "1f1b"
+            options = dict(pp=world_size, schedule=schedule, micro_batches=2 * world_size,
+                           virtual_stages=2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+        elif degrees == ("tp",):
+            options = dict(tp=world_size)
+        elif "tp" in degrees:
+            options = dict(dp=world_size // 2, tp=2)
+        else:
+            options = dict(sharding_strategy=self.option or "FULL_SHARD")
+        return TrainConfig(strategy=self.name, world_size=world_size, model=model, batch_size=batch_size,
+                           checkpoint=self.checkpoint, precision=self.precision, autocast=self.autocast,
+                           **options, **kw)
 
 
-def parse_pair(pair: str) -> tuple[str, str]:
-    """``"ours:theirs"``, each side checked by ``parse_side``."""
+def parse_pair(pair: str) -> tuple[Side, Side]:
+    """``"ours:theirs"``, each side parsed by ``Side.parse``."""
     sides = pair.split(":")
     if len(sides) != 2 or not all(sides):
         raise ValueError(f"a pair is ours:theirs, e.g. fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD; got {pair!r}")
-    for side in sides:
-        parse_side(side)
-        side_checkpoint(side)
-        side_precision(side)
-    return sides[0], sides[1]
+    return Side.parse(sides[0]), Side.parse(sides[1])
 
 
-def _config(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int, out: str) -> TrainConfig:
-    name, option = parse_side(side)
-    if name in PIPELINE_SIDES:
-        schedule = option or "1f1b"
-        options = dict(pp=world_size, schedule=schedule, micro_batches=2 * world_size,
-                       virtual_stages=2 if schedule in ("interleaved", "zero-bubble") else 1)
-    elif name in TP_SIDES:
-        options = dict(tp=world_size)
-    elif name in TP2D_SIDES:
-        options = dict(dp=world_size // 2, tp=2)
-    else:
-        options = dict(sharding_strategy=option or "FULL_SHARD")
-    return TrainConfig(strategy=name, world_size=world_size, model=cfg.model, steps=steps, batch_size=cfg.batch_size,
-                       quiet=True, out=out, track_memory=track_memory, write_plots=False,
-                       checkpoint=side_checkpoint(side), precision=side_precision(side)[0],
-                       autocast=side_precision(side)[1], **options)
+def _config(cfg: BenchConfig, side: Side | str, world_size: int, track_memory: bool, steps: int,
+            out: str) -> TrainConfig:
+    side = side if isinstance(side, Side) else Side.parse(side)
+    return side.train_config(cfg.model, world_size, cfg.batch_size, steps=steps, quiet=True, out=out,
+                             track_memory=track_memory, write_plots=False)
 
 
-def _run(cfg: BenchConfig, side: str, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
+def _run(cfg: BenchConfig, side: Side, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         return train(_config(cfg, side, world_size, track_memory, steps, tmp))
 
@@ -203,98 +217,37 @@ def _median_step(metrics: dict[str, Any], warmup: int) -> float:
 # Expected bytes: what minifsdp's side must move, from the model's structure
 # --------------------------------------------------------------------------
 
-def comm_strategy(side: str) -> str:
-    """The ``estimate.comm_bytes_per_step`` name of a minifsdp side: ``"fsdp@SHARD_GRAD_OP"`` -> ``"shard_grad_op"``."""
-    name, option = parse_side(side)
-    if name in ("ddp", "ddp-naive", "zero1", "zero2"):
-        return name
-    if name == "fsdp":
-        return (option or "FULL_SHARD").lower()
-    raise ValueError(f"no expected bytes for {side!r}: it is not one of minifsdp's strategies")
-
-
-def expected_bytes(model_name: str, side: str, world_size: int, batch_size: int = 8) -> dict[str, Any]:
-    """Bytes per step minifsdp's ``side`` moves as ``train.py`` sets it up: ``estimate.comm_bytes_per_step``
-    with this model's FSDP units (wrap=block), buffers, HYBRID_SHARD as 2 x (N/2), and ``%bf16``/``%fp16``'s
-    dtypes: FSDP gathers and reduces 16-bit (policy p, p, p); DDP and ZeRO keep fp32 parameters (and
-    buffers) and reduce 16-bit gradients (``reduce_dtype``). Tensor parallel: ``planner.tp_comm_bytes``, its
-    forward all-reduces 16-bit under autocast (``forward_elem=2``), all but the loss's under fsdp+tp's policy.
-    ``%fp16`` adds the sharded gradient scaler's found-inf all-reduce (8 B) where gradients are sharded.
-
-    ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO paper's k·4Ψ
-    (``estimate.paper_comm_bytes``; None for HYBRID_SHARD, which the paper lacks).
+def expected_bytes(model_name: str, side: str | Side, world_size: int, batch_size: int = 8) -> dict[str, Any]:
+    """Bytes per step minifsdp's ``side`` moves as ``train.py`` sets it up: its record's ``expected_bytes``
+    (``minifsdp.strategies``: ``estimate`` for data parallel, ``planner`` for pipeline and tensor parallel),
+    on the layout the trainer runs. ``"total"`` is exact (padding, the root rule), ``"paper"`` the ZeRO
+    paper's k·4Ψ (``estimate.paper_comm_bytes``; None where the paper has no row, e.g. HYBRID_SHARD).
 
     >>> e = expected_bytes("gpt-tiny", "fsdp@FULL_SHARD", 2)   # Ψ = 42,880 parameters, 4Ψ = 171,520 B
     >>> e["paper"], e["total"], e["by_op"]["all_gather"]       # 3·4Ψ; 3·4Ψ - 4Ψ_root
     (514560, 444672, 273152)
     """
-    model = models.build_model(model_name)
-    name, (precision, autocast) = parse_side(side)[0], side_precision(side)
-    config = models.MODEL_PRESETS[model_name]
-    if name in PIPELINE_SIDES and precision == "fp32" and not autocast:  # rank 0's sends and receives
-        schedule = parse_side(side)[1] or "1f1b"
-        stages = world_size * (2 if schedule in ("interleaved", "zero-bubble") else 1)  # as _config sets v
-        by_op = planner.pp_comm_bytes(config, batch_size * config.block_size, stages,
-                                      [s for s in range(stages) if s % world_size == 0])
-        return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
-                "n_params": models.count_parameters(model)}
-    if name in PIPELINE_SIDES:  # no formula for a 16-bit pipeline's activations
-        return {"total": None, "by_op": {}, "paper": None, "paper_key": None,
-                "n_params": models.count_parameters(model)}
-    # TP's row-parallel outputs are 16-bit under autocast (tp, torch-tp: --precision; fsdp+tp: --autocast)
-    # or FSDP's policy (fsdp+tp --precision: everything 16-bit but the loss); else fp32
-    forward_elem = 2 if autocast or precision != "fp32" else 4
-    # --checkpoint re-runs each block's forward in backward up to its last saved tensor (early stop):
-    # the attention's row-parallel all-reduce (2x volume) again, not the MLP's closing one
-    recompute_per_token = 0 if side_checkpoint(side) == "none" else 2 * config.n_layer * config.n_embd * forward_elem
-    # fp16's sharded gradient scaler all-reduces its found-inf flag every step: one fp32, counted twice
-    found_inf = 2 * 4 if precision == "fp16" and name in SHARDED_GRAD_STRATEGIES else 0
-    if name in TP_SIDES:  # Megatron's all-reduces (planner.tp_comm_bytes), every rank the whole batch
-        by_op = planner.tp_comm_bytes(config, batch_size * config.block_size, world_size, forward_elem=forward_elem)
-        by_op["all_reduce"] += recompute_per_token * batch_size * config.block_size + found_inf
-        return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
-                "n_params": models.count_parameters(model)}
-    if name in TP2D_SIDES:  # the planner: TP's all-reduces + FSDP over dp (units = blocks)
-        dp = world_size // 2
-        plan = planner.plan(model_name, batch=batch_size, dp=dp, tp=2, zero_stage=3, precision=precision)
-        if autocast:  # fp32 parameters, autocast compute: only the forward g's are 16-bit
-            plan.comm["tp"] = planner.tp_comm_bytes(config, batch_size // dp * config.block_size, 2, forward_elem=2)
-        by_op = {"all_reduce": recompute_per_token * batch_size * config.block_size // dp + found_inf}
-        for ops in plan.comm.values():
-            for op, b in ops.items():
-                by_op[op] = by_op.get(op, 0) + b
-        return {"total": sum(by_op.values()), "by_op": by_op, "paper": None, "paper_key": None,
-                "n_params": models.count_parameters(model)}
-    strategy = comm_strategy(side)
-    units, root = estimate.fsdp_unit_numels(model, (models.Block,))
-    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
-    shard = world_size // 2 if strategy == "hybrid_shard" else None
-    low = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    dtype = low if name == "fsdp" else torch.float32  # what is gathered / broadcast: FSDP's param_dtype
-    grad_dtype = torch.float32 if name == "ddp-naive" else low  # what is reduced (ddp-naive has no policy)
-    by_op = estimate.comm_bytes_per_step(units, world_size, strategy, dtype, root_numel=root, buffer_bytes=buffers,
-                                         shard_size=shard, grad_dtype=grad_dtype)
-    total = by_op.pop("total") + found_inf
-    if found_inf:
-        by_op["all_reduce"] = by_op.get("all_reduce", 0) + found_inf
-    n_params = sum(units) + root
-    paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None
-    paper = estimate.paper_comm_bytes(n_params, strategy) if paper_key else None
-    return {"total": total, "by_op": by_op, "paper": paper, "paper_key": paper_key, "n_params": n_params}
+    side = side if isinstance(side, Side) else Side.parse(side)
+    if side.record.expected_bytes is None:
+        raise ValueError(f"no expected bytes for {side.text!r}: it is not one of minifsdp's strategies")
+    cfg = side.train_config(model_name, world_size, batch_size)
+    return side.record.expected_bytes(cfg, side.record.layout(cfg))
 
 
 # --------------------------------------------------------------------------
 # One pair at one world size
 # --------------------------------------------------------------------------
 
-def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dict[str, Any]:
+def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size: int) -> dict[str, Any]:
+    parsed = {ours_side.text: ours_side, theirs_side.text: theirs_side}
+    ours, theirs = ours_side.text, theirs_side.text
     times: dict[str, list[float]] = {ours: [], theirs: []}
     moved: dict[str, float] = {}
     losses: dict[str, list[float]] = {}
     for rep in range(cfg.repeats):
         order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
         for side in order:
-            m = _run(cfg, side, world_size, track_memory=False, steps=cfg.steps)
+            m = _run(cfg, parsed[side], world_size, track_memory=False, steps=cfg.steps)
             times[side].append(_median_step(m, cfg.warmup))
             # bytes: rank 0 of the first run (every run moves the same); torch's are counted too
             moved.setdefault(side, sum(m["bytes_per_step"][0].values()))
@@ -305,10 +258,9 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
                            "step_s": {k: statistics.median(v) for k, v in times.items()},
                            "step_s_all": times, "bytes_per_step": moved, "losses": losses}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
-    precision, autocast = side_precision(ours)
-    rtol = LOSS_RTOL_BY_PRECISION["bf16" if autocast else precision]
-    row["same_losses"] = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(losses[ours], losses[theirs]))
-    expected = expected_bytes(cfg.model, ours, world_size, cfg.batch_size)
+    row["same_losses"] = all(math.isclose(a, b, rel_tol=ours_side.loss_rtol)
+                             for a, b in zip(losses[ours], losses[theirs]))
+    expected = expected_bytes(cfg.model, ours_side, world_size, cfg.batch_size)
     row["n_params"] = expected["n_params"]
     row["bytes_expected"], row["bytes_expected_by_op"] = expected["total"], expected["by_op"]
     row["bytes_paper"], row["bytes_paper_key"] = expected["paper"], expected["paper_key"]
@@ -316,7 +268,7 @@ def bench_pair(cfg: BenchConfig, ours: str, theirs: str, world_size: int) -> dic
     if cfg.memory:
         peaks = {}
         for side in (ours, theirs):
-            m = _run(cfg, side, world_size, track_memory=True, steps=2)
+            m = _run(cfg, parsed[side], world_size, track_memory=True, steps=2)
             peaks[side] = max(p for p in m["peak_bytes"] if p is not None)
         row["peak_bytes"] = peaks
         row["peak_ratio"] = peaks[ours] / peaks[theirs]
@@ -339,7 +291,7 @@ def activation_rows(model_name: str, batch: int) -> list[dict[str, Any]]:
     for mode in ("none", "full", "selective"):
         model = models.build_model(model_name, seed=0)
         if mode != "none":  # as train --checkpoint wraps minifsdp's sides
-            apply_checkpointing(model, TrainConfig(checkpoint=mode))
+            apply_checkpointing(model, mode)
         tracker = MemoryTracker()
         tracker.track_model(model)
         with tracker:
@@ -399,12 +351,11 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
     rows = []
     for ours, theirs in pairs:
         for world_size in cfg.world_sizes:
-            print(f"{ours} vs {theirs}, {cfg.model}, world size {world_size}", flush=True)
+            print(f"{ours.text} vs {theirs.text}, {cfg.model}, world size {world_size}", flush=True)
             rows.append(bench_pair(cfg, ours, theirs, world_size))
     activations = []  # estimate vs tracker, when a pair checkpoints
     # data-parallel sides only: tensor and pipeline parallel split the activations themselves
-    if any(side_checkpoint(side) != "none" and parse_side(side)[0] not in TP_SIDES + TP2D_SIDES + PIPELINE_SIDES
-           for pair in pairs for side in pair):
+    if any(side.checkpoint != "none" and side.record.degrees in (("dp",), ()) for pair in pairs for side in pair):
         for world_size in cfg.world_sizes:
             activations += activation_rows(cfg.model, cfg.batch_size // world_size)
     with open(os.path.join(cfg.out, "bench.json"), "w") as f:
@@ -421,9 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="default gpt-small (--preset tensor: gpt-mini)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--pairs", nargs="+", default=None,
-                   help="ours:theirs pairs; a side is strategy or strategy@SHARDING_STRATEGY (default ddp:torch-ddp)")
+                   help="ours:theirs pairs; a side is strategy[@OPTION][#CHECKPOINT][%PRECISION] (default ddp:torch-ddp)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a named list of pairs (issue4: DDP/ZeRO/FSDP; pipeline: every pp schedule; tensor: tp, fsdp+tp)")
+                   help="a named list of pairs (sharding: DDP/ZeRO/FSDP; pipeline: every pp schedule; tensor: tp, fsdp+tp)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

@@ -169,7 +169,7 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
 
 
-_PASS_THROUGH = ("minifsdp/fake_gpu.py", "minifsdp/torch_reference.py")  # wrappers that only count or check
+_PASS_THROUGH = ("minifsdp/fake_gpu.py", "minifsdp/torch_reference/counting.py")  # wrappers that only count or check
 
 
 def _called_by_torch() -> bool:

@@ -82,6 +82,11 @@ class DeviceMesh:
     ``dp_shard``: split dp into ``dp_replicate x dp_shard`` for HYBRID_SHARD (default: no split).
     """
 
+    @classmethod
+    def from_layout(cls, layout: Any, build_groups: bool | None = None) -> "DeviceMesh":
+        """The mesh of a ``minifsdp.layout.Layout``: its dp, pp and tp (and dp_shard under HYBRID_SHARD)."""
+        return cls(**layout.mesh_degrees(), build_groups=build_groups)
+
     def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, dp_shard: int | None = None,
                  build_groups: bool | None = None) -> None:
         sizes = {"dp": dp, "pp": pp, "tp": tp} | ({} if dp_shard is None else {"dp_shard": dp_shard})

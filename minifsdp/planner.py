@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import estimate
+from .layout import Layout
 from .models import MODEL_PRESETS, GPTConfig
 
 __all__ = ["Plan", "plan", "tp_param_counts", "tp_comm_bytes", "pp_comm_bytes"]
@@ -152,14 +153,18 @@ class Plan:
 
 def plan(model: str | GPTConfig, *, batch: int, seq_len: int | None = None, dp: int = 1, tp: int = 1,
          pp: int = 1, micro_batches: int = 1, precision: str = "fp32", checkpointing: bool = False,
-         zero_stage: int = 0, sequence_parallel: bool = False, devices: int | None = None) -> Plan:
+         zero_stage: int = 0, sequence_parallel: bool = False, devices: int | None = None,
+         layout: Layout | None = None) -> Plan:
     """Predict one device's memory and the bytes each mesh dimension moves per optimizer step.
 
     ``batch`` is the global batch (sequences per step). ``zero_stage`` applies
     over dp (3 = FSDP FULL_SHARD, blocks as units). ``devices`` (optional)
     must equal dp*pp*tp. Peak activations: one micro-batch without a pipeline,
-    up to ``pp`` in flight on the first stage with one (1F1B).
+    up to ``pp`` in flight on the first stage with one (1F1B). ``layout`` (a ``layout.Layout``): its
+    dp, pp and tp instead of the keywords, as the trainer runs them.
     """
+    if layout is not None:
+        dp, pp, tp = layout.dp, layout.pp, layout.tp
     config = MODEL_PRESETS[model] if isinstance(model, str) else model
     seq_len = seq_len or config.block_size
     if min(dp, tp, pp, micro_batches) < 1:

@@ -12,7 +12,8 @@ from minifsdp.train import TrainConfig, train, validate
 
 def _bytes(side: str, world: int) -> list[dict[str, float]]:
     """Bytes per step by collective, every rank, of a 2-step gpt-tiny run (no memory tracking)."""
-    name, option = bench.parse_side(side)
+    parsed = bench.Side.parse(side)
+    name, option = parsed.name, parsed.option
     with tempfile.TemporaryDirectory() as tmp:
         m = train(TrainConfig(strategy=name, sharding_strategy=option or "FULL_SHARD", world_size=world,
                               model="gpt-tiny", steps=2, batch_size=2 * world, quiet=True, out=tmp,
@@ -84,10 +85,10 @@ def test_activation_rows_measure_what_estimate_predicts():
 
 
 def test_every_preset_pair_parses():
-    assert len(bench.PRESETS["issue4"]) == 9
-    for pair in bench.PRESETS["issue4"]:
+    assert len(bench.PRESETS["sharding"]) == 9
+    for pair in bench.PRESETS["sharding"]:
         ours, theirs = bench.parse_pair(pair)
-        assert bench.expected_bytes("gpt-tiny", ours, 4)["total"] > 0 and theirs.startswith("torch-")
+        assert bench.expected_bytes("gpt-tiny", ours, 4)["total"] > 0 and theirs.record.is_torch
 
 
 @pytest.mark.parametrize("preset", sorted(bench.PRESETS))
@@ -100,7 +101,7 @@ def test_every_preset_validates_with_its_default_model(tmp_path, preset):
         for side in bench.parse_pair(pair):
             for world in cfg.world_sizes:
                 validate(bench._config(cfg, side, world, False, cfg.steps, cfg.out))
-                if bench.parse_side(side)[0] == "pp":
+                if side.name == "pp":
                     assert bench.expected_bytes(model, side, world)["total"] > 0, side
 
 
@@ -118,7 +119,7 @@ def test_bench_rejects_bad_pairs(tmp_path, pair, message):
 
 def test_bench_checks_every_run_before_the_first(tmp_path):
     with pytest.raises(ValueError, match="use an even --world-size"):
-        bench.run(bench.BenchConfig(model="gpt-tiny", pairs=bench.PRESETS["issue4"], world_sizes=(2, 3),
+        bench.run(bench.BenchConfig(model="gpt-tiny", pairs=bench.PRESETS["sharding"], world_sizes=(2, 3),
                                     batch_size=6, out=str(tmp_path / "hybrid")))
     with pytest.raises(ValueError, match="multiple of world size"):
         bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(3,), out=str(tmp_path / "batch")))

@@ -48,7 +48,7 @@ def _by_hand(side: str, world: int, grad_dtype: torch.dtype | None = None) -> di
 def test_tracer_bench_and_estimate_agree_for_every_strategy(world):
     configs = []
     for side in _sides(world):
-        name, option = bench.parse_side(side)
+        name, option = bench.Side.parse(side).name, bench.Side.parse(side).option
         configs.append(TrainConfig(strategy=name, sharding_strategy=option or "FULL_SHARD", world_size=world,
                                    model="gpt-tiny", steps=1, batch_size=world, quiet=True,
                                    track_memory=False, write_plots=False))
@@ -83,7 +83,7 @@ def test_fp16_scaler_found_inf_flag_is_counted():
     ShardedGradScaler all-reduces the found-inf flag: one fp32 per step, 8 B in the all-reduce's 2x convention.
     DDP's gradients are whole on every rank: its GradScaler moves nothing."""
     sides = ("ddp", "zero2", "fsdp@FULL_SHARD")
-    configs = [TrainConfig(strategy=bench.parse_side(s)[0], world_size=2, model="gpt-tiny", steps=1, batch_size=2,
+    configs = [TrainConfig(strategy=bench.Side.parse(s).name, world_size=2, model="gpt-tiny", steps=1, batch_size=2,
                            quiet=True, track_memory=False, write_plots=False, precision="fp16") for s in sides]
     per_rank = launch(_one_step_each, 2, configs, timeout=180)
     for i, side in enumerate(sides):

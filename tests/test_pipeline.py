@@ -176,7 +176,7 @@ def test_bench_pairs_each_schedule_with_torch(tmp_path):
     assert (train_cfg.strategy, train_cfg.pp, train_cfg.micro_batches, train_cfg.virtual_stages) == ("torch-pp", 4, 8, 2)
     validate_config(train_cfg)
     with pytest.raises(ValueError, match="unknown option 'FULL_SHARD' for pp"):
-        bench.parse_side("pp@FULL_SHARD")
+        bench.Side.parse("pp@FULL_SHARD")
 
 
 def test_every_schedule_on_one_rank_matches_autograd():

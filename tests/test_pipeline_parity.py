@@ -309,7 +309,7 @@ def test_trainer_bad_input_names_the_fix(tmp_path):
     from minifsdp.train import TrainConfig, validate
 
     base = dict(model="gpt-tiny", out=str(tmp_path))
-    with pytest.raises(ValueError, match=r"runs pp x dp = 2 x 2 ranks: use --world-size 4"):
+    with pytest.raises(ValueError, match=r"runs dp x pp x tp = 2 x 2 x 1 ranks: use --world-size 4"):
         validate(TrainConfig(strategy="pp+dp", world_size=2, pp=2, dp=2, **base))
     with pytest.raises(ValueError, match=r"must split into 1 replica\(s\) x 3 micro-batches: use a multiple of 3"):
         validate(TrainConfig(strategy="pp", world_size=2, pp=2, micro_batches=3, **base))

@@ -55,9 +55,10 @@ def test_command_line_and_bad_input(tmp_path):
 def test_bench_sides_carry_checkpointing(tmp_path):
     from minifsdp import bench
 
-    assert bench.parse_pair("fsdp#full:torch-fsdp#full") == ("fsdp#full", "torch-fsdp#full")
-    assert bench.side_checkpoint("fsdp@SHARD_GRAD_OP#selective") == "selective"
-    assert bench.side_checkpoint("ddp") == "none"
+    ours, theirs = bench.parse_pair("fsdp#full:torch-fsdp#full")
+    assert (ours.name, ours.checkpoint, theirs.name, theirs.checkpoint) == ("fsdp", "full", "torch-fsdp", "full")
+    assert bench.Side.parse("fsdp@SHARD_GRAD_OP#selective").checkpoint == "selective"
+    assert bench.Side.parse("ddp").checkpoint == "none"
     cfg = bench._config(bench.BenchConfig(), "torch-fsdp#selective", 2, False, 2, str(tmp_path))
     assert (cfg.strategy, cfg.checkpoint) == ("torch-fsdp", "selective")
     with pytest.raises(ValueError, match="write side#full or side#selective"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any, Callable
 
-from .. import estimate, mesh as mesh_module, planner, train as train_module
+from .. import estimate, mesh as mesh_module, planner, strategies as strategies_module
 from ..estimate import format_bytes
 from ..mesh import DeviceMesh
 from ..pipeline import parallel as pipeline_parallel
@@ -35,7 +35,7 @@ ZERO = (0, 3)
 # the library's version of each exercise: what the checks refuse (statically and at run time)
 _MESH_LIBRARY = (DeviceMesh, *(v for v in vars(mesh_module).values()
                                if callable(v) and getattr(v, "__module__", "") == mesh_module.__name__))
-_TWO_D_LIBRARY = (train_module._tensor_parallel, train_module._three_d, train_module._pipeline,
+_TWO_D_LIBRARY = (strategies_module._tensor_parallel, strategies_module._three_d, strategies_module._pipeline,
                   pipeline_parallel.PipelineParallel, pipeline_parallel.pipeline_groups)
 _COST_LIBRARY = tuple(v for m in (planner, estimate) for v in vars(m).values()
                       if callable(v) and getattr(v, "__module__", "") == m.__name__

@@ -41,9 +41,10 @@ per micro-batch as the trainer does; the loss is taken on fp32 logits.
 ``bf16`` only: fp16 needs a gradient scaler to scale each micro-batch's loss
 inside the schedule, which ``train_step`` does not take.
 
-``api="torch"`` builds the same stages and schedule from
-``torch.distributed.pipelining`` instead (the same names, so only the module
-differs): the trainer's ``torch-pp``, for side-by-side runs in the benchmark.
+``stage_cls`` / ``schedule_cls`` / ``ddp_cls`` swap in other classes with the
+same constructors: ``minifsdp.torch_reference.pipelining`` passes
+``torch.distributed.pipelining``'s and torch's DDP (the trainer's ``torch-pp``),
+so only the classes differ between the two sides of the benchmark.
 
 ``train_step(x, y)`` is what the trainer's loop calls instead of
 ``loss = lm_loss(model(x), y); loss.backward()``; it returns the replica's
@@ -53,7 +54,6 @@ the trainer's global mean is the same as ``--strategy single``'s.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
@@ -66,13 +66,13 @@ from ..mesh import DeviceMesh
 from .executor import (PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                        ScheduleInterleavedZeroBubble)
 from .partition import split_gpt
+from .stage import PipelineStage
 
 __all__ = ["PipelineParallel", "SCHEDULE_CLASSES", "pipeline_groups"]
 
 SCHEDULE_CLASSES: dict[str, type[PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble}
-APIS = {"minifsdp": "minifsdp.pipeline", "torch": "torch.distributed.pipelining"}
 
 
 def pipeline_groups(pp: int, dp: int) -> tuple[tdist.ProcessGroup | None, tdist.ProcessGroup | None]:
@@ -96,7 +96,8 @@ class PipelineParallel(nn.Module):
     ``schedule``: gpipe | 1f1b | interleaved | zero-bubble; ``virtual_stages``
     (interleaved, zero-bubble) stages per rank; ``checkpoint``: always |
     except_last | never; ``balance``: layers per stage (default: by parameter count);
-    ``api``: minifsdp | torch (``torch.distributed.pipelining``'s classes, no checkpoint option).
+    ``stage_cls`` / ``schedule_cls`` / ``ddp_cls``: other classes with the same constructors (torch's: no
+    checkpoint option); default minifsdp's ``PipelineStage``, ``SCHEDULE_CLASSES[schedule]``, DDP.
     ``pp_group`` / ``dp_group``: groups made elsewhere (a ``DeviceMesh`` with tensor parallel
     too); by default ``pipeline_groups(pp, dp)`` over the whole world.
     ``loss_fn(output, target)``: the last stage's loss per micro-batch (default ``models.lm_loss``;
@@ -106,19 +107,20 @@ class PipelineParallel(nn.Module):
 
     def __init__(self, model: models.GPT, pp: int, n_microbatches: int, schedule: str = "1f1b",
                  virtual_stages: int = 1, dp: int = 1, checkpoint: str = "never", balance: list[int] | None = None,
-                 api: str = "minifsdp", pp_group: tdist.ProcessGroup | None = None,
+                 stage_cls: type | None = None, schedule_cls: type | None = None,
+                 ddp_cls: type | None = None, pp_group: tdist.ProcessGroup | None = None,
                  dp_group: tdist.ProcessGroup | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = models.lm_loss,
                  autocast_dtype: torch.dtype | None = None):
         super().__init__()
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULE_CLASSES)}")
-        if api not in APIS or (api == "torch" and checkpoint != "never"):
-            raise ValueError(f"api={api!r}, checkpoint={checkpoint!r}: use api minifsdp or torch (torch: no checkpoint)")
+        own_stages = stage_cls is None or stage_cls is PipelineStage
+        if not own_stages and checkpoint != "never":
+            raise ValueError(f"stage_cls={stage_cls.__name__} has no checkpoint option: use checkpoint='never'")
         if autocast_dtype not in (None, torch.bfloat16):
             raise ValueError(f"autocast_dtype={autocast_dtype}: a pipeline runs bf16 autocast only (fp16 needs a "
                              "gradient scaler inside the schedule): use torch.bfloat16 or None")
-        lib = importlib.import_module(APIS[api])
         v = virtual_stages if schedule in ("interleaved", "zero-bubble") else 1
         if virtual_stages != 1 and v == 1:
             raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved or zero-bubble")
@@ -135,24 +137,24 @@ class PipelineParallel(nn.Module):
         mine = [s for s in range(pp * v) if s % pp == dist.rank(pp_group)]
         self.stage_modules = nn.ModuleList(parts[s] for s in mine)  # the parameters, under their model names
         device = dist.device()
-        extra = {"checkpoint": checkpoint} if api == "minifsdp" else {}
-        self.stages = [lib.PipelineStage(self._wrap(parts[s], autocast_dtype, api), s, pp * v, device,
-                                         group=self.pp_group, **extra) for s in mine]
-        cls = getattr(lib, SCHEDULE_CLASSES[schedule].__name__)
+        extra = {"checkpoint": checkpoint} if own_stages else {}
+        self.ddp_cls = ddp_cls or DistributedDataParallel
+        self.stages = [(stage_cls or PipelineStage)(self._wrap(parts[s], autocast_dtype), s, pp * v, device,
+                                                    group=self.pp_group, **extra) for s in mine]
+        cls = schedule_cls or SCHEDULE_CLASSES[schedule]
         if autocast_dtype is not None:
             loss_fn = _fp32_loss(loss_fn)
         self.schedule = cls(self.stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else self.stages,
                             n_microbatches, loss_fn=loss_fn)
         self._last_rank = _global(self.pp_group, (pp * v - 1) % pp)
 
-    def _wrap(self, part: nn.Module, autocast_dtype: torch.dtype | None, api: str) -> nn.Module:
+    def _wrap(self, part: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         """What the stage runs: the part, under autocast, in a DDP over the replicas of this stage."""
         module = _Autocast(part, autocast_dtype) if autocast_dtype is not None else part
         if self.dp == 1:
             return module
         # The causal mask is the only buffer and never changes: no broadcast before each forward.
-        ddp = DistributedDataParallel if api == "minifsdp" else torch.nn.parallel.DistributedDataParallel
-        return ddp(module, process_group=self.dp_group, forward_sync_buffers=False)
+        return self.ddp_cls(module, process_group=self.dp_group, forward_sync_buffers=False)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through train_step(x, y), not model(x): its stages live on "

@@ -1,21 +1,7 @@
-"""PyTorch's own implementations, set up to be compared with minifsdp's, and a counter for their traffic.
+"""Counting torch's traffic: its collectives, seen by minifsdp's tracer in the same units.
 
-Front layer. The trainer (``minifsdp.train``) registers these builders next to
-its own strategies, so that ``--strategy torch-fsdp`` trains the same model on
-the same data as ``--strategy fsdp`` and the benchmark (``minifsdp.bench``)
-can put them side by side:
-
-    torch-ddp    torch.nn.parallel.DistributedDataParallel            vs  ddp
-    torch-zero1  DDP + torch.distributed.optim.ZeroRedundancyOptimizer vs  zero1
-    torch-fsdp   torch.distributed.fsdp.FullyShardedDataParallel (FSDP1; on CPU
-                 with ``device_id=cpu``), every ``ShardingStrategy``  vs  fsdp / zero2
-    torch-fsdp2  torch.distributed.fsdp.fully_shard (FSDP2)           vs  fsdp
-
-Each builder takes ``(model, cfg)`` (cfg: ``train.TrainConfig``) and returns
-``(model, optimizer)``.
-
-Counting torch's bytes. minifsdp's techniques send every collective through
-``minifsdp.comm``, which records it on the active tracer. PyTorch's do not,
+Front layer (``minifsdp.torch_reference``). minifsdp's techniques send every collective
+through ``minifsdp.comm``, which records it on the active tracer. PyTorch's do not,
 but their Python code looks the collectives up as attributes of the
 ``torch.distributed`` module *at call time* (torch 2.13: ``dist.all_gather`` --
 the list form, on CPU -- in ``fsdp/_flat_param.py``, ``dist.all_gather_single``
@@ -52,10 +38,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
-from . import comm, dist, models, trace
+from .. import comm, dist, trace
 
-__all__ = ["STRATEGIES", "SHARDING_OPTIONS", "count_collectives", "torch_ddp", "torch_zero1", "torch_fsdp",
-           "torch_fsdp2", "hybrid_groups", "mixed_precision_policy"]
+__all__ = ["count_collectives", "count_ddp_buckets"]
 
 
 # --------------------------------------------------------------------------
@@ -182,12 +167,12 @@ def count_collectives(pipelining: bool = False) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def _count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel, precision: str = "fp32") -> None:
+def count_ddp_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel, precision: str = "fp32") -> None:
     """Route DDP's bucket all-reduce through Python, where ``count_collectives`` sees it.
 
     torch's ``allreduce_hook`` does what the C++ default does (divide by N,
     all-reduce, return the future); the difference is one Python call per
-    bucket (measured: see bench.py's docstring). With ``precision`` bf16/fp16,
+    bucket. With ``precision`` bf16/fp16,
     torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` instead: each bucket
     cast to 16 bits, divided by N, all-reduced (also through ``dist.all_reduce``,
     so still counted), cast back -- minifsdp.ddp's ``reduce_dtype``.
@@ -205,136 +190,3 @@ def _bf16_compress_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP c
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
     return bf16_compress_hook(state, bucket)
-
-
-# --------------------------------------------------------------------------
-# The torch strategies (builders: (model, cfg) -> (model, optimizer))
-# --------------------------------------------------------------------------
-
-# Which cfg.sharding_strategy values a strategy accepts (the others ignore it).
-SHARDING_OPTIONS: dict[str, tuple[str, ...]] = {
-    "torch-fsdp": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
-    "torch-fsdp2": ("FULL_SHARD", "SHARD_GRAD_OP"),
-}
-
-
-def _adamw(params: Any, cfg: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def _ddp(model: torch.nn.Module, cfg: Any) -> torch.nn.parallel.DistributedDataParallel:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    device = dist.device()
-    wrapped = TorchDDP(model, device_ids=[device] if device.type == "cuda" else None,
-                       bucket_cap_mb=cfg.bucket_cap_mb)
-    _count_ddp_buckets(wrapped, getattr(cfg, "precision", "fp32"))
-    return wrapped
-
-
-def torch_ddp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's DDP + AdamW: the reference for minifsdp.ddp (2P per step, P = parameter bytes = 4Ψ in fp32)."""
-    wrapped = _ddp(model, cfg)
-    return wrapped, _adamw(wrapped.parameters(), cfg)
-
-
-def torch_zero1(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's DDP + ZeroRedundancyOptimizer(AdamW): ZeRO-1, the reference for minifsdp's zero1 (OSS).
-
-    Gradients are all-reduced whole (DDP, 2P); each rank steps the AdamW
-    state of the parameters it owns, then broadcasts them (P): 3P per step,
-    the same traffic as minifsdp's OSS (the ZeRO paper's ZeRO-1 counts 2P with
-    a reduce-scatter instead; both torch and FairScale do the all-reduce).
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    wrapped = _ddp(model, cfg)
-    optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW,
-                                        lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return wrapped, optimizer
-
-
-def hybrid_groups() -> tuple[Any, Any]:
-    """(shard group, replicate group) for HYBRID_SHARD on one machine: 2 x (N/2).
-
-    Shard groups of N/2 consecutive ranks, replicated twice: with 4 ranks shard
-    {0,1} {2,3}, replicate {0,2} {1,3}; with 2 ranks shard {0} {1} (groups of
-    one: nothing is sharded), replicate {0,1}. minifsdp's fsdp builds the same
-    pair, so both sides move the same bytes over the same groups.
-    """
-    from .fsdp import init_hybrid_groups
-
-    return init_hybrid_groups(max(1, dist.world_size() // 2))
-
-
-def _torch_wrap_policy(cfg: Any) -> Any:
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if cfg.wrap == "block":
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
-    if cfg.wrap == "size":
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)
-    return None
-
-
-def torch_fsdp(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's FSDP1 with ``cfg.sharding_strategy``; on CPU it needs ``device_id=cpu`` (PLATFORM-NOTES).
-
-    SHARD_GRAD_OP is torch's ZeRO-2 (its docs: "similar to ZeRO-2"), so it
-    is also the reference for minifsdp's zero2. HYBRID_SHARD takes the
-    ``hybrid_groups()`` pair as ``process_group=(shard, replicate)``.
-    """
-    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
-    strategy = ShardingStrategy[cfg.sharding_strategy]
-    groups = hybrid_groups() if strategy == ShardingStrategy.HYBRID_SHARD else None
-    wrapped = TorchFSDP(model, process_group=groups, auto_wrap_policy=_torch_wrap_policy(cfg),
-                        device_id=dist.device(), sharding_strategy=strategy,
-                        backward_prefetch=getattr(BackwardPrefetch, cfg.prefetch, None),
-                        mixed_precision=_torch_mixed_precision(cfg))
-    return wrapped, _adamw(wrapped.parameters(), cfg)
-
-
-def _torch_mixed_precision(cfg: Any) -> Any:
-    """--precision bf16/fp16 as torch's own MixedPrecision (param, reduce and buffer dtype alike)."""
-    from torch.distributed.fsdp import MixedPrecision
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg, "precision", "fp32"))
-    return MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
-
-
-def mixed_precision_policy(cfg: Any) -> Any:
-    """--precision bf16/fp16 as FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; fp32: the default."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg, "precision", "fp32"))
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-
-
-def torch_fsdp2(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's FSDP2 (``fully_shard``): each Block, then the root.
-
-    FULL_SHARD = ``reshard_after_forward=None``: FSDP2's default, True for
-    every unit but the root, which keeps its parameters for backward (as FSDP1
-    and minifsdp do; an explicit True would regather the root in backward).
-    SHARD_GRAD_OP = False. FSDP2 shards each parameter on dim 0 (padding each
-    one), not one flat parameter per unit, so its padding differs from FSDP1's
-    and minifsdp's.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(dist.device().type, (dist.world_size(),))
-    reshard = None if cfg.sharding_strategy == "FULL_SHARD" else False
-    mp = mixed_precision_policy(cfg)
-    for module in model.modules():
-        if isinstance(module, models.Block) and cfg.wrap != "none":
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    return model, _adamw(model.parameters(), cfg)
-
-
-STRATEGIES: dict[str, Callable[[torch.nn.Module, Any], tuple[torch.nn.Module, torch.optim.Optimizer]]] = {
-    "torch-ddp": torch_ddp, "torch-zero1": torch_zero1, "torch-fsdp": torch_fsdp, "torch-fsdp2": torch_fsdp2,
-}

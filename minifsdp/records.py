@@ -1,0 +1,163 @@
+"""What a strategy is: one record (the degrees it uses, its traits, its builder) and what its builder returns.
+
+Front layer. The trainer's loop is the same for every strategy; what differs
+is written down once, in a ``Strategy`` record:
+
+* ``degrees``: which of the layout's degrees the strategy reads from the flags
+  (``"dp"`` alone: every rank is a replica, dp = ``--world-size``; ``"pp"``:
+  ``--pp`` and ``--virtual-stages``; ``"tp"``: ``--tp``; with pp or tp, ``"dp"``
+  is ``--dp``). ``Strategy.layout(cfg)`` turns them into a ``layout.Layout``.
+* traits: whether a MixedPrecision policy casts its parameters (else autocast
+  does), whether its gradients are sharded (the fp16 scaler's found-inf flag
+  is then all-reduced), whether it runs its own train step (pipelines, torch's
+  DTensor loss), whether it checkpoints tensor parallel's split blocks itself,
+  and whose implementation it is (``"minifsdp"`` or ``"torch"``: torch's get
+  torch's checkpoint wrapper and gradient scaler, and their collectives counted).
+* ``build(model, cfg, layout) -> Built``: the wrapped model, its optimizer, the
+  loss function, the train step (None: the loop's forward and backward), and
+  which slice of the global batch this rank reads (``data_rank`` of ``data_size``).
+* ``expected_bytes(cfg, layout)``: what minifsdp's side moves per step, from
+  ``estimate`` / ``planner`` (bench's *expected* column); None for torch's.
+
+The CLI names (``--strategy fsdp``, ``torch-pp``, ...) are records in
+``minifsdp.strategies`` (ours) and ``minifsdp.torch_reference`` (torch's).
+``TrainConfig`` (the flags) and the helpers every builder shares (AdamW,
+checkpointing, autocast) live here too, so that both can build without the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import models
+from .layout import Layout, virtual_stages_for
+from .mixed_precision import PRECISIONS
+
+__all__ = ["TrainConfig", "Strategy", "Built", "adamw", "apply_checkpointing", "autocast", "pipeline_autocast"]
+
+
+@dataclass
+class TrainConfig:
+    strategy: str = "single"
+    world_size: int = 1
+    model: str = "gpt-tiny"
+    steps: int = 10
+    batch_size: int = 8           # global batch (sequences per optimizer step)
+    seq_len: int | None = None    # default: the model's block size
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    out: str = "runs/train"
+    track_memory: bool = True     # ~1.3x slower on CPU; off for benchmarks
+    write_plots: bool = True      # timeline.png / memory.png (a few seconds)
+    timeout: float = 900.0
+    quiet: bool = False
+    # sharding options (fsdp / zero)
+    sharding_strategy: str = "FULL_SHARD"
+    wrap: str = "block"           # none | block | size
+    prefetch: str = "BACKWARD_PRE"
+    cpu_offload: bool = False
+    bucket_cap_mb: float = 25.0
+    checkpoint: str = "none"     # activation checkpointing of every Block: none | full | selective
+    # fsdp: MixedPrecision(p, p, p); ddp / zero1 / zero2: autocast compute + gradients reduced in p
+    precision: str = "fp32"       # fp32 | bf16 | fp16 (fp16 also turns the gradient scaler on)
+    autocast: bool = False        # forward + loss under torch.autocast (bf16, or fp16 with --precision fp16)
+    # pipeline options (pp, pp+dp, 3d)
+    pp: int = 2
+    dp: int = 1
+    micro_batches: int = 4
+    schedule: str = "1f1b"        # gpipe | 1f1b | interleaved | zero-bubble
+    virtual_stages: int = 1       # stages per rank (interleaved, zero-bubble)
+    # tensor parallel options (tp, fsdp+tp, 3d)
+    tp: int = 2
+    sequence_parallel: bool = False
+
+
+@dataclass
+class Built:
+    """What a builder hands the loop. ``train_step(x, y) -> loss``: the strategy runs forward and backward
+    itself (None: the loop's ``loss_fn(model(x), y).backward()``). ``data_rank`` / ``data_size``: the slice
+    of the global batch this rank reads (None: its own rank of the world)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = models.lm_loss
+    train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    data_rank: int | None = None
+    data_size: int | None = None
+
+
+Builder = Callable[[torch.nn.Module, TrainConfig, Layout], Built]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    build: Builder
+    degrees: tuple[str, ...] = ("dp",)
+    implementation: str = "minifsdp"              # or "torch": PyTorch's own, for comparison
+    sharding_options: tuple[str, ...] = ()        # the --sharding-strategy values it takes (others ignore it)
+    policy_cast: bool = False                     # a MixedPrecision policy casts its parameters: no autocast
+    sharded_grads: bool = False                   # each rank holds part of the gradients
+    own_train_step: bool = False                  # runs forward + backward itself: no fp16 loss scaling
+    checkpoints_split_blocks: bool = False        # --checkpoint wraps tensor parallel's blocks, in the builder
+    takes_precision: bool = True                  # --precision / --autocast are wired in
+    expected_bytes: Callable[[TrainConfig, Layout], dict[str, Any]] | None = None
+    doc: str = ""
+
+    @property
+    def is_torch(self) -> bool:
+        return self.implementation == "torch"
+
+    def layout(self, cfg: TrainConfig) -> Layout:
+        """The degrees this strategy runs with ``cfg``'s flags (HYBRID_SHARD: 2 x (N/2))."""
+        alone = self.degrees == ("dp",)
+        dp = cfg.world_size if alone else cfg.dp if "dp" in self.degrees else 1
+        pp = cfg.pp if "pp" in self.degrees else 1
+        tp = cfg.tp if "tp" in self.degrees else 1
+        if "HYBRID_SHARD" in self.sharding_options and cfg.sharding_strategy == "HYBRID_SHARD":
+            return Layout.hybrid(dp, pp=pp, tp=tp)
+        v = virtual_stages_for(cfg.schedule, cfg.virtual_stages) if "pp" in self.degrees else 1
+        return Layout(dp=dp, pp=pp, tp=tp, virtual_stages=v)
+
+
+def adamw(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def apply_checkpointing(model: torch.nn.Module, checkpoint: str, implementation: str = "minifsdp",
+                        block: type = models.Block) -> None:
+    """--checkpoint: wrap every ``block`` (a Block, or tensor parallel's ParallelBlock). full recomputes
+    the whole block in backward; selective keeps its linear layers' outputs and recomputes the rest
+    (minifsdp.checkpoint.selective). torch's strategies get torch's own checkpoint_wrapper, so the
+    benchmark compares like with like."""
+    from .checkpoint import LINEAR_OPS
+
+    if implementation == "torch":
+        import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ac
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    else:
+        from . import checkpoint as ac
+        from .checkpoint import create_selective_checkpoint_contexts
+    selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, list(LINEAR_OPS))}
+    wrapper = functools.partial(ac.checkpoint_wrapper, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT,
+                                **(selective if checkpoint == "selective" else {}))
+    ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block))
+
+
+def autocast(cfg: TrainConfig, device: torch.device, policy_cast: bool) -> Any:
+    """One autocast region per forward (autocast caches 16-bit weight copies until its region ends):
+    on with --autocast, or with --precision bf16/fp16 where no policy casts the parameters."""
+    on = cfg.autocast or (cfg.precision != "fp32" and not policy_cast)
+    return torch.autocast(device.type, dtype=PRECISIONS["fp16" if cfg.precision == "fp16" else "bf16"], enabled=on)
+
+
+def pipeline_autocast(cfg: TrainConfig) -> torch.dtype | None:
+    """A pipeline's share of --precision bf16 / --autocast: each stage's forward under bf16 autocast
+    (fp16 is refused in validate: its loss scaling would have to run inside the schedule)."""
+    return torch.bfloat16 if cfg.precision == "bf16" or cfg.autocast else None

@@ -1,0 +1,262 @@
+"""minifsdp's strategies, one record each, and the trainer's list of every strategy (ours and torch's).
+
+Front layer. A record (``records.Strategy``) says which layout degrees the
+strategy reads, its traits, its builder and the bytes it must move per step;
+the CLI's ``--strategy`` names are the keys of ``STRATEGIES``. Adding a
+strategy is adding one record and its builder. Each builder below takes
+``(model, cfg, layout)`` and returns a ``records.Built``:
+
+    single      one process, the whole global batch (the yardstick)
+    ddp-naive   all-reduce every gradient after backward       (minifsdp.ddp)
+    ddp         bucketed all-reduce overlapped with backward    (minifsdp.ddp)
+    zero1/zero2 optimizer-state / gradient sharding             (minifsdp.zero)
+    fsdp        fully sharded data parallel, --sharding-strategy (minifsdp.fsdp)
+    pp, pp+dp   pipeline stages (x data-parallel replicas)      (minifsdp.pipeline)
+    tp          Megatron tensor parallel                        (minifsdp.tensor_parallel)
+    fsdp+tp     FSDP over --dp replicas of a --tp split model   (minifsdp.mesh)
+    3d          --pp stages x --tp split layers x --dp replicas (pipeline + tensor_parallel)
+    torch-*     PyTorch's own, for comparison                   (minifsdp.torch_reference)
+
+Every group comes from the layout: HYBRID_SHARD's (``layout.shard_size``), the
+pipeline's and tensor parallel's (``DeviceMesh.from_layout``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from . import dist, estimate, models, planner, torch_reference
+from .layout import Layout
+from .mixed_precision import PRECISIONS, MixedPrecision, policy_for
+from .records import Built, Strategy, TrainConfig, adamw, apply_checkpointing, pipeline_autocast
+
+__all__ = ["STRATEGIES"]
+
+
+# --------------------------------------------------------------------------
+# Data parallel: every rank a replica (dp = --world-size)
+# --------------------------------------------------------------------------
+
+def _single(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    return Built(model, adamw(model.parameters(), cfg))
+
+
+def _reduce_policy(cfg: TrainConfig) -> Any:
+    """DDP and ZeRO keep whole fp32 parameters: their share of --precision is the gradient dtype."""
+    mp = policy_for(cfg.precision)
+    return None if mp is None else MixedPrecision(reduce_dtype=mp.reduce_dtype)
+
+
+def _ddp_naive(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    from .ddp import NaiveDataParallel
+
+    wrapped = NaiveDataParallel(model)
+    return Built(wrapped, adamw(wrapped.parameters(), cfg))
+
+
+def _ddp(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    from .ddp import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, mixed_precision=_reduce_policy(cfg))
+    return Built(wrapped, adamw(wrapped.parameters(), cfg))
+
+
+def _zero1(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # DDP's bucketed, overlapped all-reduce + OSS, the pairing torch-zero1 uses
+    # (DDP + ZeroRedundancyOptimizer). wrap_zero(stage=1) all-reduces one
+    # gradient at a time: the same bytes, more calls.
+    from .ddp import DistributedDataParallel
+    from .zero import OSS
+
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, mixed_precision=_reduce_policy(cfg))
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    return Built(wrapped, OSS(trainable, optim=torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay))
+
+
+def _zero2(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    from .zero import wrap_zero
+
+    return Built(*wrap_zero(model, stage=2, mixed_precision=_reduce_policy(cfg), lr=cfg.lr,
+                            weight_decay=cfg.weight_decay))
+
+
+def _fsdp(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    from .fsdp import BackwardPrefetch, CPUOffload, ModuleWrapPolicy, ShardingStrategy
+    from .fsdp import FullyShardedDataParallel as FSDP
+    from .fsdp import init_hybrid_groups, size_based_auto_wrap_policy
+
+    policy = {"block": ModuleWrapPolicy({models.Block}), "none": None,
+              "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100_000)}[cfg.wrap]
+    # HYBRID_SHARD: the layout's dp_shard x dp_replicate, the groups torch_reference.hybrid_groups gives torch-fsdp
+    groups = init_hybrid_groups(shard_size=layout.shard_size) if layout.dp_shard is not None else None
+    wrapped = FSDP(model, process_group=groups, auto_wrap_policy=policy,
+                   sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+                   backward_prefetch=BackwardPrefetch[cfg.prefetch] if cfg.prefetch != "NONE" else None,
+                   cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
+                   mixed_precision=policy_for(cfg.precision))
+    return Built(wrapped, adamw(wrapped.parameters(), cfg))
+
+
+def _data_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """``estimate.comm_bytes_per_step`` with this model's FSDP units (wrap=block), buffers, the layout's
+    HYBRID_SHARD groups and --precision's dtypes: FSDP gathers and reduces 16-bit (policy p, p, p); DDP
+    and ZeRO keep fp32 parameters (and buffers) and reduce 16-bit gradients (``reduce_dtype``); fp16's
+    sharded gradient scaler all-reduces its found-inf flag (one fp32, counted twice) where gradients are
+    sharded. ``paper``: the ZeRO paper's k·4Ψ (``estimate.paper_comm_bytes``; None where it has no row)."""
+    model = models.build_model(cfg.model)
+    name = cfg.strategy
+    strategy = cfg.sharding_strategy.lower() if name == "fsdp" else name
+    units, root = estimate.fsdp_unit_numels(model, (models.Block,))
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
+    low = PRECISIONS[cfg.precision]
+    dtype = low if name == "fsdp" else torch.float32  # what is gathered / broadcast: FSDP's param_dtype
+    grad_dtype = torch.float32 if name == "ddp-naive" else low  # what is reduced (ddp-naive has no policy)
+    by_op = estimate.comm_bytes_per_step(units, layout.dp, strategy, dtype, root_numel=root, buffer_bytes=buffers,
+                                         shard_size=layout.dp_shard, grad_dtype=grad_dtype)
+    found_inf = 2 * 4 if cfg.precision == "fp16" and STRATEGIES[name].sharded_grads else 0
+    total = by_op.pop("total") + found_inf
+    if found_inf:
+        by_op["all_reduce"] = by_op.get("all_reduce", 0) + found_inf
+    n_params = sum(units) + root
+    paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None
+    paper = estimate.paper_comm_bytes(n_params, strategy) if paper_key else None
+    return {"total": total, "by_op": by_op, "paper": paper, "paper_key": paper_key, "n_params": n_params}
+
+
+# --------------------------------------------------------------------------
+# Pipeline, tensor parallel and their compositions: groups from the layout's mesh
+# --------------------------------------------------------------------------
+
+def _pipeline(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # This rank keeps only its stages; the loop calls train_step(x, y), which runs the
+    # schedule (forward and backward, micro-batch by micro-batch).
+    from .pipeline import PipelineParallel
+
+    wrapped = PipelineParallel(model, layout.pp, cfg.micro_batches, cfg.schedule, layout.virtual_stages,
+                               dp=layout.dp, autocast_dtype=pipeline_autocast(cfg))
+    return Built(wrapped, adamw(wrapped.parameters(), cfg), train_step=wrapped.train_step,
+                 data_rank=wrapped.data_parallel_rank, data_size=wrapped.data_parallel_size)
+
+
+def _tensor_parallel(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # Megatron tensor parallel inside groups of --tp consecutive ranks; fsdp+tp (dp > 1 in its
+    # layout) also shards each slice with FSDP over the --dp ranks that hold it: 2D.
+    from .mesh import DeviceMesh
+    from .tensor_parallel import ParallelBlock, ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
+
+    mesh = initialize_model_parallel(layout.tp, mesh=DeviceMesh.from_layout(layout))
+    wrapped = tensor_parallel_gpt(model, sequence_parallel=cfg.sequence_parallel)
+    if cfg.checkpoint != "none":  # the split blocks, before FSDP wraps them (as _fsdp's order)
+        apply_checkpointing(wrapped, cfg.checkpoint, block=ParallelBlock)
+    if "dp" in STRATEGIES[cfg.strategy].degrees:
+        from .fsdp import FullyShardedDataParallel as FSDP
+        from .fsdp import ModuleWrapPolicy, ShardingStrategy
+
+        wrapped = FSDP(wrapped, process_group=mesh.get_group("dp"), auto_wrap_policy=ModuleWrapPolicy({ParallelBlock}),
+                       sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+                       mixed_precision=policy_for(cfg.precision))
+    # vocab-parallel cross-entropy: the full logits never exist
+    return Built(wrapped, adamw(wrapped.parameters(), cfg), loss_fn=ParallelGPT.loss,
+                 data_rank=mesh.get_local_rank("dp"), data_size=layout.dp)
+
+
+def _three_d(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # PP x TP x DP on one DeviceMesh (tp fastest): split every layer --tp ways, cut the split model
+    # into --pp stages whose peers are the mesh's pp group, average gradients over its dp group.
+    from .mesh import DeviceMesh
+    from .pipeline import PipelineParallel
+    from .tensor_parallel import ParallelBlock, ParallelGPT, initialize_model_parallel, tensor_parallel_gpt
+
+    mesh = initialize_model_parallel(layout.tp, layout.pp, mesh=DeviceMesh.from_layout(layout))
+    split = tensor_parallel_gpt(model)
+    if cfg.checkpoint != "none":  # the split blocks, before the pipeline cuts the model (as _tensor_parallel)
+        apply_checkpointing(split, cfg.checkpoint, block=ParallelBlock)
+    wrapped = PipelineParallel(split, layout.pp, cfg.micro_batches, cfg.schedule,
+                               layout.virtual_stages, dp=layout.dp, pp_group=mesh.get_group("pp"),
+                               dp_group=mesh.get_group("dp") if layout.dp > 1 else None,
+                               loss_fn=ParallelGPT.loss,  # the last stage's head is vocab-parallel
+                               autocast_dtype=pipeline_autocast(cfg))
+    return Built(wrapped, adamw(wrapped.parameters(), cfg), train_step=wrapped.train_step,
+                 data_rank=wrapped.data_parallel_rank, data_size=wrapped.data_parallel_size)
+
+
+def _low_forward(cfg: TrainConfig) -> int:
+    """Bytes per element of TP's row-parallel outputs: 2 under autocast or a 16-bit policy, else 4."""
+    return 2 if cfg.autocast or cfg.precision != "fp32" else 4
+
+
+def _recompute_per_token(cfg: TrainConfig) -> int:
+    """--checkpoint re-runs each block's forward in backward up to its last saved tensor (early stop):
+    the attention's row-parallel all-reduce (2x volume) again, not the MLP's closing one."""
+    config = models.MODEL_PRESETS[cfg.model]
+    return 0 if cfg.checkpoint == "none" else 2 * config.n_layer * config.n_embd * _low_forward(cfg)
+
+
+def _found_inf(cfg: TrainConfig) -> int:
+    return 2 * 4 if cfg.precision == "fp16" and STRATEGIES[cfg.strategy].sharded_grads else 0
+
+
+def _result(by_op: dict[str, int], cfg: TrainConfig, total: int | None = -1) -> dict[str, Any]:
+    return {"total": sum(by_op.values()) if total == -1 else total, "by_op": by_op, "paper": None,
+            "paper_key": None, "n_params": models.count_parameters(models.build_model(cfg.model))}
+
+
+def _pipeline_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """Rank 0's sends and receives (``planner.pp_comm_bytes``); no formula for a 16-bit pipeline's activations."""
+    if cfg.precision != "fp32" or cfg.autocast:
+        return _result({}, cfg, total=None)
+    config = models.MODEL_PRESETS[cfg.model]
+    holds = [s for s in range(layout.stages) if s % layout.pp == 0]
+    return _result(planner.pp_comm_bytes(config, cfg.batch_size * config.block_size, layout.stages, holds), cfg)
+
+
+def _tensor_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """tp: Megatron's all-reduces (``planner.tp_comm_bytes``), every rank the whole batch. fsdp+tp: the
+    planner's plan, TP's all-reduces + FSDP over dp (units = blocks); 16-bit forward all-reduces under
+    autocast, everything 16-bit but the loss under FSDP's policy."""
+    config = models.MODEL_PRESETS[cfg.model]
+    tokens = cfg.batch_size * config.block_size
+    if layout.dp == 1:
+        by_op = planner.tp_comm_bytes(config, tokens, layout.tp, forward_elem=_low_forward(cfg))
+        by_op["all_reduce"] += _recompute_per_token(cfg) * tokens + _found_inf(cfg)
+        return _result(by_op, cfg)
+    plan = planner.plan(cfg.model, batch=cfg.batch_size, layout=layout, zero_stage=3, precision=cfg.precision)
+    if cfg.autocast:  # fp32 parameters, autocast compute: only the forward g's are 16-bit
+        plan.comm["tp"] = planner.tp_comm_bytes(config, tokens // layout.dp, layout.tp, forward_elem=2)
+    by_op = {"all_reduce": _recompute_per_token(cfg) * tokens // layout.dp + _found_inf(cfg)}
+    for ops in plan.comm.values():
+        for op, b in ops.items():
+            by_op[op] = by_op.get(op, 0) + b
+    return _result(by_op, cfg)
+
+
+# --------------------------------------------------------------------------
+# The records: the CLI's --strategy names
+# --------------------------------------------------------------------------
+
+_FSDP_OPTIONS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("single", _single, degrees=(), doc="one process, the whole batch"),
+    Strategy("ddp-naive", _ddp_naive, takes_precision=False, expected_bytes=_data_parallel_bytes,
+             doc="all-reduce every gradient after backward"),
+    Strategy("ddp", _ddp, expected_bytes=_data_parallel_bytes, doc="bucketed all-reduce overlapped with backward"),
+    Strategy("zero1", _zero1, expected_bytes=_data_parallel_bytes, doc="DDP + OSS: optimizer state sharded"),
+    Strategy("zero2", _zero2, sharded_grads=True, expected_bytes=_data_parallel_bytes, doc="gradients sharded too"),
+    Strategy("fsdp", _fsdp, sharding_options=_FSDP_OPTIONS, policy_cast=True, sharded_grads=True,
+             expected_bytes=_data_parallel_bytes, doc="fully sharded data parallel"),
+    Strategy("pp", _pipeline, degrees=("pp",), own_train_step=True, expected_bytes=_pipeline_bytes,
+             doc="pipeline parallel"),
+    Strategy("pp+dp", _pipeline, degrees=("pp", "dp"), own_train_step=True, doc="pipeline x data parallel"),
+    Strategy("tp", _tensor_parallel, degrees=("tp",), sharded_grads=True, checkpoints_split_blocks=True,
+             expected_bytes=_tensor_parallel_bytes, doc="Megatron tensor parallel"),
+    Strategy("fsdp+tp", _tensor_parallel, degrees=("dp", "tp"), sharding_options=_FSDP_OPTIONS[:3],
+             policy_cast=True, sharded_grads=True, checkpoints_split_blocks=True,
+             expected_bytes=_tensor_parallel_bytes, doc="FSDP x tensor parallel (2D)"),
+    Strategy("3d", _three_d, degrees=("dp", "pp", "tp"), own_train_step=True, checkpoints_split_blocks=True,
+             doc="pipeline x tensor x data parallel"),
+    *torch_reference.STRATEGIES.values(),
+)}
