@@ -13,14 +13,10 @@ flags into the run's degrees (``minifsdp.layout.Layout``: dp x pp x tp, HYBRID_S
 ``--sharding-strategy`` (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)
 applies to fsdp and torch-fsdp; torch-fsdp2 takes the first two.
 
-``--precision fp32|bf16|fp16``, ``--autocast`` and ``--checkpoint none|full|selective``
-compose with the strategies (``validate`` names the few exceptions and the fix).
-Strategies whose record says ``policy_cast`` cast parameters with their
-MixedPrecision policy; the others compute under autocast, and DDP/ZeRO reduce
-gradients in the low dtype (torch-ddp/torch-zero1: torch's bf16/fp16 compression
-comm hook). fp16 adds the gradient scaler, so strategies that run their own train
-step take bf16 only. Checkpointing wraps every Block, or with tensor parallel every
-split block, after the split and before FSDP; torch's strategies use torch's checkpoint_wrapper.
+``--precision fp32|bf16|fp16``, ``--autocast`` and ``--checkpoint none|full|selective`` compose
+with the strategies as their records say (``validate`` names the few exceptions and the fix):
+a ``policy_cast`` record casts parameters with its MixedPrecision policy, the others compute
+under autocast; fp16 adds the gradient scaler, so a record with its own train step takes bf16.
 
 The parity contract: with the same ``--seed``, ``--model`` and global batch,
 every strategy's ``losses`` in ``metrics.json`` equal ``--strategy single``'s
@@ -29,16 +25,12 @@ batch: with 4 ranks and ``--grad-accum 2`` each rank runs micro-batches of
 ``batch_size / 8`` sequences, and the 8 slices together are exactly the batch
 one process would see (``minifsdp.data.get_batch``).
 
-Run it from a shell (ranks started by ``minifsdp.launch``)::
-
-    python -m minifsdp.train --strategy ddp --world-size 2 --model gpt-tiny --steps 20
-
-or under torchrun, on one machine or many (the same code, env:// rendezvous)::
+Run it from a shell (``python -m minifsdp.train --strategy ddp --world-size 2``: ranks started
+by ``minifsdp.launch``) or under torchrun, on one machine or many (env:// rendezvous)::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m minifsdp.train --strategy fsdp
 
-Writes to ``--out``: ``metrics.json``, ``trace.json`` (Perfetto),
-``timeline.png``, ``memory.png``, and prints a per-rank summary table.
+Writes ``metrics.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``memory.png`` to ``--out``.
 """
 
 from __future__ import annotations

@@ -101,10 +101,10 @@ def test_mesh_shortcuts():
 
 def test_two_d_shortcuts():
     sol = _ex()
-    trainer = _defined("from minifsdp import train as T\n"
+    trainer = _defined("from minifsdp import strategies as S\n"
                        "def fsdp_tp(model, mesh):\n"
-                       "    cfg = T.TrainConfig(strategy='fsdp+tp', world_size=4, dp=2, tp=2)\n"
-                       "    return T._tensor_parallel(model, cfg)[0]\n")
+                       "    cfg = S.TrainConfig(strategy='fsdp+tp', world_size=4, dp=2, tp=2)\n"
+                       "    return S._tensor_parallel(model, cfg, S.STRATEGIES['fsdp+tp'].layout(cfg)).model\n")
     shortcut_fails(lab09.two_d, trainer["fsdp_tp"], sol["pp_dp_step"])
     hidden = _defined("import importlib\n"   # the run-time wire, inside the 4 workers
                       "def pp_dp_step(model, mesh, x, y, m):\n"

@@ -1,6 +1,6 @@
 """The same split with PyTorch's own ``torch.distributed.tensor.parallel``, for side-by-side runs.
 
-Layer 5 (techniques; a reference, not part of the lesson). ``torch_tensor_parallel_gpt``
+Front layer (``minifsdp.torch_reference``; a reference, not part of the lesson). ``torch_tensor_parallel_gpt``
 applies ``ColwiseParallel`` / ``RowwiseParallel`` (DTensor, a ``DeviceMesh("cpu" |
 "cuda", (tp,))``) to the same places ``gpt.py`` splits: q/k/v and ``c_fc`` by
 columns, the two ``c_proj`` by rows, the token embedding by vocabulary rows
