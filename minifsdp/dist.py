@@ -41,6 +41,16 @@ def world_size(group: tdist.ProcessGroup | None = None) -> int:
     return tdist.get_world_size(group) if is_initialized() else 1
 
 
+def global_rank(group: tdist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (``group=None``: the world, the same number).
+
+    torch's rooted and point-to-point calls (``broadcast``, ``reduce``, ``send``, ``recv``) name
+    ``src`` / ``dst`` by global rank even inside a subgroup, so every technique that talks to one
+    member of its group (an owner, a stage, a group's rank 0) translates here first.
+    """
+    return group_rank if group is None else tdist.get_global_rank(group, group_rank)
+
+
 def local_rank() -> int:
     """Rank among the processes of this machine (torchrun's LOCAL_RANK)."""
     return int(os.environ.get("LOCAL_RANK", rank()))

@@ -17,17 +17,18 @@ How it works, and why each piece is there:
   live in ``__main__``, which a worker cannot import; cloudpickle sends
   their code instead (lambdas and closures too).
 * **Workers start from a forkserver** that has already imported torch, so
-  after the first launch a worker starts in tens of milliseconds. ``fork``
-  is unsafe once the parent has run threaded torch ops or touched CUDA;
-  ``spawn`` re-imports torch every time (~1.5 s).
+  after the first launch a worker starts without importing torch again.
+  ``fork`` is unsafe once the parent has run threaded torch ops or touched
+  CUDA; ``spawn`` re-imports torch in every worker of every launch.
 * **Rendezvous without ports.** The workers meet in a ``FileStore`` in a
   fresh temporary folder: no port to pick, so no race for one. (A
-  ``TCPStore`` the parent opened on port 0 worked too, but about one client
-  connection in 25 stalled for exactly 5 s on this machine: 300 launches
-  with TCP, median 0.08 s, max 5.1 s; 150 with the file, median 0.08 s, max
-  0.12 s.) gloo's own connections between ranks are TCP as usual.
+  ``TCPStore`` the parent opened on port 0 worked too, but now and then a
+  client connection stalled for a whole 5 s connect retry; README's
+  measurement notes have the counts.) gloo's own connections between ranks
+  are TCP as usual.
 * **One compute thread per core share** (``cores // world_size``): ranks
-  sharing two cores with many threads each run 7-18x slower.
+  that each run as many threads as the machine has cores fight over them,
+  and every op waits for its slowest thread (README's measurement notes).
 * **Nothing hangs, nothing is left behind.** Each worker reports ``("ok",
   result)`` or ``("error", traceback)`` through a queue. On the first error
   the others get a short grace period to report (so the *root cause* wins

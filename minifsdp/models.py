@@ -13,10 +13,12 @@ vocabulary projection. Differences from nanoGPT, each for a lesson:
   so pipeline stages can take ``embed`` / ``blocks[i:j]`` / ``unembed``;
 * ``forward`` returns logits only; the loss is the module-level ``lm_loss``,
   so a pipeline's last stage and a vocab-parallel loss can replace it;
-* attention is an explicit ``softmax(q k^T / sqrt(d_h) + mask) v``. It is
-  deterministic on CPU, and it keeps the B*h*T*T attention probabilities as a
-  visible saved tensor, which is what ``estimate.gpt_activation_bytes`` counts
-  (a fused ``scaled_dot_product_attention`` would hide them);
+* attention is an explicit ``softmax(q k^T / sqrt(d_h) + mask) v``, one
+  function (``causal_attention``) that the tensor-parallel models call on
+  their share of the heads. It is deterministic on CPU, and it keeps the
+  B*h*T*T attention probabilities as a visible saved tensor, which is what
+  ``estimate.gpt_activation_bytes`` counts (a fused
+  ``scaled_dot_product_attention`` would hide them);
 * the causal mask is a non-persistent buffer (absent from state dicts).
 
 Parameter count, worked example for ``gpt-tiny`` (V=256, d=32, L=2, block 32):
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 __all__ = [
     "GPTConfig",
     "CausalSelfAttention",
+    "causal_attention",
     "FeedForward",
     "Block",
     "GPT",
@@ -98,24 +101,43 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("future_mask", _future_mask(config.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        hd = C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, h, T, hd): each head attends independently.
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_head, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hd).transpose(1, 2)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        scores = scores.masked_fill(self.future_mask[:T, :T], float("-inf"))
-        probs = F.softmax(scores, dim=-1)
-        if self.dropout > 0.0 and self.training:
-            probs = F.dropout(probs, p=self.dropout)
-        y = probs @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side
+        dropout = self.dropout if self.training else 0.0
+        y = causal_attention(self.c_attn(x), self.n_embd // self.n_head, self.future_mask, dropout)
         y = self.c_proj(y)
-        if self.dropout > 0.0 and self.training:
-            y = F.dropout(y, p=self.dropout)
+        if dropout > 0.0:
+            y = F.dropout(y, p=dropout)
         return y
+
+
+def causal_attention(
+    qkv: torch.Tensor, head_dim: int, future_mask: torch.Tensor, dropout: float = 0.0
+) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d_h) + mask) v`` for every head in ``qkv``, heads side by side.
+
+    ``qkv`` is ``(B, T, 3 * h * head_dim)``, laid out ``[q; k; v]`` with each of
+    the three holding ``h`` heads of ``head_dim`` features: the output of
+    ``CausalSelfAttention.c_attn``, or of a tensor-parallel rank's slice of it
+    (``h = n_head / tp``), which is why ``h`` is read from the shape. Returns
+    ``(B, T, h * head_dim)``, the input of ``c_proj``. ``future_mask`` is the
+    blocked-above-the-diagonal buffer (``_future_mask``); ``dropout`` is applied
+    to the probabilities (pass 0.0 outside training).
+
+    The one attention forward of minifsdp: the full model, the tensor-parallel
+    model (``tensor_parallel/gpt.py``) and torch's DTensor tensor parallel
+    (``tensor_parallel/torch_tp.py``) all call it, so their parity is a
+    statement about the split, not about three copies of the math.
+    """
+    B, T, three_local = qkv.shape
+    h = three_local // (3 * head_dim)
+    # (B, T, h * hd) -> (B, h, T, hd): each head attends independently.
+    q, k, v = (t.view(B, T, h, head_dim).transpose(1, 2) for t in qkv.split(h * head_dim, dim=2))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    scores = scores.masked_fill(future_mask[:T, :T], float("-inf"))
+    probs = F.softmax(scores, dim=-1)
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout)
+    y = probs @ v
+    return y.transpose(1, 2).contiguous().view(B, T, h * head_dim)  # heads side by side
 
 
 class FeedForward(nn.Module):

@@ -1,4 +1,4 @@
-"""bf16 FSDP holds no memory torch's FSDP1 does not (issue 9: peak memory ratio vs torch <= 1.00).
+"""bf16 FSDP holds no memory torch's FSDP1 does not (the peak beside torch FSDP1's, same recipe).
 
 The extra memory was the bf16 copy of the shard that an all-gather reads: it
 stayed alive while a prefetched gather was in flight (one bf16 shard of a block

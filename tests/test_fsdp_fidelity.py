@@ -1,4 +1,4 @@
-"""Code written for torch's FSDP1 or FairScale behaves the same on minifsdp (issue 7, item 4).
+"""Code written for torch's FSDP1 or FairScale behaves the same on minifsdp (DESIGN's API conventions).
 
 Each torch check runs one worker twice, once with ``torch.distributed.fsdp``
 (on CPU: ``device_id=cpu``) and once with ``minifsdp.fsdp``, the code changing

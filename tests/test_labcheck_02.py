@@ -104,7 +104,7 @@ def test_accumulation_that_all_reduces_by_hand_fails(lab02):
 
 
 def test_a_ddp_without_all_reduce_fails_on_a_one_gpu_vm(lab02, monkeypatch):
-    """Issue 16: on a 1-GPU VM the check ran one rank, where a DDP that never all-reduces is 'right'."""
+    """On a 1-GPU VM the check still runs at least 2 ranks: on one rank a DDP that never all-reduces is 'right'."""
     monkeypatch.setenv("MINIFSDP_FAKE_GPU", "1")
     ns = with_code('''
         def make_data_parallel(model):

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
-from .common import _check_same_model_everywhere, _group_src, _weak_hook, broadcast_coalesced
+from .common import _check_same_model_everywhere, _weak_hook, broadcast_coalesced
 
 __all__ = ["BucketedDataParallel", "Bucket", "bucket_assignment", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_MB"]
 
@@ -185,7 +185,7 @@ class BucketedDataParallel(nn.Module):
     def _sync_module_states(self) -> None:
         """Same model everywhere, then rank 0's values everywhere (parameters AND buffers)."""
         _check_same_model_everywhere(self._params, self.process_group, type(self).__name__)
-        broadcast_coalesced(list(self.module.parameters()) + self._module_buffers, _group_src(self.process_group),
+        broadcast_coalesced(list(self.module.parameters()) + self._module_buffers, dist.global_rank(self.process_group, 0),
                             self.process_group)
 
     def _build_buckets(self, bucket_cap_mb: float | None) -> None:
@@ -215,7 +215,7 @@ class BucketedDataParallel(nn.Module):
     # -- forward ---------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.forward_sync_buffers and self._module_buffers and self._world > 1:
-            broadcast_coalesced(self._module_buffers, _group_src(self.process_group), self.process_group)
+            broadcast_coalesced(self._module_buffers, dist.global_rank(self.process_group, 0), self.process_group)
         # torch DDP decides here, at forward time, whether the coming backward syncs (no_sync pitfall).
         self._armed = torch.is_grad_enabled() and self.require_backward_grad_sync
         return self.module(*inputs, **kwargs)

@@ -7,8 +7,9 @@ Layer 5 (techniques), ``minifsdp.ddp``'s shared helpers:
   same way), so every replica starts from the same weights;
 * ``_check_same_model_everywhere`` - a wrong model on one rank fails at wrap
   time, on every rank, instead of hanging a later all-reduce;
-* ``_weak_hook`` - a gradient hook that does not keep a replaced wrapper alive;
-* ``_group_src`` - the global rank of a group's rank 0.
+* ``_weak_hook`` - a gradient hook that does not keep a replaced wrapper alive.
+
+The source of a group's broadcast is ``dist.global_rank(group, 0)``.
 
 Read first: ``ddp/__init__.py`` (the idea and the order of the files). Used by
 ``naive.py``, ``bucketed.py`` and ``distributed.py``.
@@ -20,17 +21,11 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist
 
 __all__ = ["broadcast_coalesced"]
-
-
-def _group_src(group: ProcessGroup | None) -> int:
-    """Global rank of the group's rank 0 (``broadcast`` takes a global rank, as in torch)."""
-    return 0 if group is None else tdist.get_global_rank(group, 0)
 
 
 @torch.no_grad()

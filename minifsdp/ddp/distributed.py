@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from .. import comm
+from .. import comm, dist
 from ..mixed_precision.policy import MixedPrecision
 from .bucketed import Bucket, BucketedDataParallel
-from .common import _check_same_model_everywhere, _group_src, broadcast_coalesced
+from .common import _check_same_model_everywhere, broadcast_coalesced
 
 __all__ = ["DistributedDataParallel"]
 
@@ -107,7 +107,7 @@ class DistributedDataParallel(BucketedDataParallel):
             return  # the user vouches that every rank already holds the same model
         _check_same_model_everywhere(self._params, self.process_group, type(self).__name__)
         buffers = self._module_buffers if self._init_sync_buffers else []
-        broadcast_coalesced(list(self.module.parameters()) + buffers, _group_src(self.process_group),
+        broadcast_coalesced(list(self.module.parameters()) + buffers, dist.global_rank(self.process_group, 0),
                             self.process_group)
 
     # -- find_unused_parameters and gradient_as_bucket_view, on the core's hooks ------

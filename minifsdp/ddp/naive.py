@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist
-from .common import _group_src, _weak_hook
+from .common import _weak_hook
 
 __all__ = ["NaiveDataParallel"]
 
@@ -54,7 +54,7 @@ class NaiveDataParallel(nn.Module):
         # Same starting point everywhere: rank 0's parameters and buffers, one tensor at a time.
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(t.data, src=_group_src(process_group), group=process_group)
+                comm.broadcast(t.data, src=dist.global_rank(process_group, 0), group=process_group)
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_weak_hook(self, "_all_reduce_grad"))

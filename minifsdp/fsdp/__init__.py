@@ -5,14 +5,17 @@ Change the import and code written for PyTorch's FSDP1 runs here::
     from minifsdp.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
     from minifsdp.fsdp.wrap import size_based_auto_wrap_policy   # or transformer_auto_wrap_policy, ...
 
-Read in this order: ``api.py`` (the options), ``flat_param.py`` (flatten, pad,
-shard, gather, free), ``fully_sharded.py`` (one training step: hooks,
-strategies, prefetch, no_sync), ``wrap.py`` (units), ``full_params.py``
-(clipping, summon_full_params), ``state_dict.py`` (checkpoints;
-``save_sharded`` / ``load_sharded`` for a sharded checkpoint folder that loads
-at any world size). The constructor's helpers: ``strategy.py`` (process
-groups), ``params.py`` (which parameters, meta-device init); ``unit.py`` holds
-what the files share, so imports here run one way (tests/test_import_graph.py).
+Read in this order: ``naive.py`` first (the whole cycle in four hooks, no
+options: lab 04 builds it), then the real one: ``api.py`` (the options),
+``flat_param.py`` (flatten, pad, shard, gather, free), ``fully_sharded.py``
+(one training step: hooks, strategies, prefetch, no_sync), ``wrap.py``
+(units), ``full_params.py`` (clipping, summon_full_params), ``state_dict.py``
+(checkpoints; ``save_sharded`` / ``load_sharded`` for a sharded checkpoint
+folder that loads at any world size). The constructor's helpers:
+``strategy.py`` (process groups), ``params.py`` (which parameters,
+meta-device init); ``unit.py`` holds what the files share, so imports here run
+one way (tests/test_import_graph.py). ``fully_sharded_data_parallel.py`` only
+re-exports under torch's module path.
 
 ``minifsdp.fsdp.wrap`` is the module, as in torch: ``from minifsdp.fsdp.wrap import wrap``.
 """

@@ -35,7 +35,6 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
@@ -214,7 +213,7 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
                 buf = t.data.to(self.compute_device)  # nccl broadcasts device tensors only
                 for group in (self._replicate_group, self._shard_group):
                     if group is not None and dist.world_size(group) > 1:
-                        comm.broadcast(buf, src=tdist.get_global_rank(group, 0), group=group)
+                        comm.broadcast(buf, src=dist.global_rank(group, 0), group=group)
                 t.data.copy_(buf)
 
     # -- lazy init (first forward): who is the root -------------------------------

@@ -43,8 +43,7 @@ from .. import comm, data, dist, estimate, models, trace
 from ..launch import launch
 from ..memory import GRADIENTS, OPTIMIZER, PARAMETERS, MemoryTracker
 from . import authorship as _authorship
-from . import verdict as _verdict
-from .verdict import Hints, Wire, call, check_world, failed, passed, require_written, run, watched
+from .verdict import Hints, Wire, call, check_world, failed, passed, require_own, run, watched
 
 __all__ = ["ownership", "zero1", "zero2", "strategy_runs", "predict_model_states", "library_hook", "hint",
            "results", "LR", "WD", "EPS"]
@@ -130,14 +129,6 @@ def _predict_library() -> tuple:
     return (estimate.model_state_bytes_per_device, estimate.comm_bytes_per_step, estimate.paper_comm_bytes,
             zero.local_state_bytes, strategy_runs, _zero_worker, _model_states_worker, _single_process,
             _single_process.__wrapped__)
-
-
-def _learners_own(what: str, library: tuple, **fns: Callable) -> dict[str, Callable]:
-    """``fns``, once each is written (not the stub, not the library's own) and none reaches ``library``."""
-    require_written(what, *fns.values())
-    for fn in fns.values():
-        _verdict.refuse_library(what, fn, *library)
-    return fns
 
 
 # -- exercise 1: ownership and the owners' buckets ----------------------------------------------
@@ -248,8 +239,7 @@ def ownership(greedy_partition: Callable[[list[int], int], list[int]], owner_buc
     Pure bookkeeping, the same on every rank: checked in this process, for 1 to 4 owners."""
     what = "ownership"
     library = _library()
-    _learners_own(what, library, greedy_partition=greedy_partition, owner_buckets=owner_buckets,
-                  unpack_bucket=unpack_bucket)
+    require_own(what, library, greedy_partition, owner_buckets, unpack_bucket)
     owners = _check_partition(what, greedy_partition, library)
     buckets = _check_buckets(what, owner_buckets, unpack_bucket, library)
     passed(what, f"{owners}; {buckets}")
@@ -483,8 +473,9 @@ def zero1(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
     """Exercise 2: ZeRO-1 with the learner's functions at 2 and 4 ranks, against one process and OSS."""
     what = "ZeRO-1"
     worlds = _worlds(world_sizes)
-    fns = _learners_own(what, _library(), greedy_partition=greedy_partition, local_optimizer=local_optimizer,
-                        zero1_step=zero1_step, consolidate_state=consolidate_state)
+    fns = dict(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step,
+               consolidate_state=consolidate_state)
+    require_own(what, _library(), *fns.values())
     ref = _single_process()
     psi = ref["n_params"]
     runs, worst = {}, 0.0
@@ -526,8 +517,9 @@ def zero2(greedy_partition: Callable, local_optimizer: Callable, zero1_step: Cal
     backward with exactly its owned (averaged) gradients, 4Ψ bytes of reduces per step; the library beside it."""
     what = "ZeRO-2"
     worlds = _worlds(world_sizes)
-    fns = _learners_own(what, _library(), greedy_partition=greedy_partition, local_optimizer=local_optimizer,
-                        zero1_step=zero1_step, install_zero2=install_zero2)
+    fns = dict(greedy_partition=greedy_partition, local_optimizer=local_optimizer, zero1_step=zero1_step,
+               install_zero2=install_zero2)
+    require_own(what, _library(), *fns.values())
     ref = _single_process()
     psi = ref["n_params"]
     out: dict[str, Any] = {"learner": {}, "library": {}, "n_params": psi}
@@ -617,7 +609,7 @@ def predict_model_states(fn: Callable[[int, int, int, int, int], dict[str, int]]
     "parameters", "gradients" (after backward), "optimizer" (after a step) and "moved" (volume per step)."""
     what = "predict_model_states"
     library = _predict_library()
-    _learners_own(what, library, predict_model_states=fn)
+    require_own(what, library, fn)
     mine = watched(fn, *library)
     keys = _CATS + ("moved",)
     worlds = {n for by_n in runs.values() for n in by_n}

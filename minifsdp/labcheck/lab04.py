@@ -45,7 +45,7 @@ from ..fsdp import FullyShardedDataParallel, naive
 from ..fsdp.flat_param import FlatParamHandle
 from ..memory import MemoryTracker
 from .authorship import Wire, watched
-from .verdict import CheckFailed, Hints, call, failed, passed, refuse_library, require_written, run
+from .verdict import CheckFailed, Hints, call, failed, passed, require_own, run
 
 __all__ = ["flat_shard", "fsdp_forward", "fsdp_backward", "hint", "results", "LIBRARY", "PEAK_MARGIN"]
 
@@ -134,13 +134,6 @@ def _run(what: str, fn: Callable, world_size: int, *args: Any) -> list:
     raise AssertionError("unreachable")
 
 
-def _guard(what: str, **fns: Callable) -> None:
-    """Written, and not the library in any form a reader of the code can see."""
-    require_written(what, *fns.values())
-    for fn in fns.values():
-        refuse_library(what, fn, *LIBRARY)
-
-
 def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(F.pad(flat, (0, math.ceil(flat.numel() / n) * n - flat.numel())).chunk(n))
 
@@ -150,7 +143,7 @@ def flat_shard(shard_flat: Callable[[list[torch.Tensor], int, int], torch.Tensor
                allocate: Callable, is_gathered: Callable) -> None:
     """``shard_flat`` on a 53-parameter MLP at N = 2, 3, 4; free / allocate / is_gathered on fp32 and bf16."""
     what = "flat shard"
-    _guard(what, shard_flat=shard_flat, free=free, allocate=allocate, is_gathered=is_gathered)
+    require_own(what, LIBRARY, shard_flat, free, allocate, is_gathered)
     shard_flat = watched(shard_flat, *LIBRARY)
     params = list(models.build_model("mlp", dims=(6, 5, 3)).parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -409,8 +402,7 @@ def fsdp_forward(shard_model: Callable, gather: Callable, pre_forward: Callable,
                  install_hooks: Callable, world_sizes: tuple[int, ...] = FORWARD_RANKS) -> None:
     """A forward at 2 and 3 ranks: one process's logits, every unit freed and hooked, 4 B x padded Ψ once."""
     what = "FSDP forward"
-    _guard(what, shard_model=shard_model, gather=gather, pre_forward=pre_forward, post_forward=post_forward,
-           install_hooks=install_hooks)
+    require_own(what, LIBRARY, shard_model, gather, pre_forward, post_forward, install_hooks)
     ref = _single(steps=0)
     n_params = models.count_parameters(models.build_model(MODEL, device="meta"))
     for n in (max(2, w) for w in world_sizes):
@@ -458,7 +450,7 @@ def fsdp_backward(shard_model: Callable, pre_backward: Callable, post_backward: 
                   world_sizes: tuple[int, ...] = BACKWARD_RANKS) -> None:
     """Whole steps at 2, 3, 4 ranks against one process; bytes 3 x 4 B x padded Ψ exact; peak vs minifsdp's FSDP."""
     what = "FSDP backward"
-    _guard(what, shard_model=shard_model, pre_backward=pre_backward, post_backward=post_backward)
+    require_own(what, LIBRARY, shard_model, pre_backward, post_backward)
     ref = _single()
     worst = 0.0
     sizes = tuple(max(2, w) for w in world_sizes)

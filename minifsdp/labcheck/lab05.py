@@ -16,7 +16,7 @@ kernels, never numbers copied from the lab:
   the learner's bytes per step for four precision policies against the tracer's count.
 
 Every exercise is held to "your own mechanism": ``refuse_library`` reads the learner's
-code (aliases, helpers, subclasses) and a tripwire (``lab05_runs.wire``) watches it run, on
+code (aliases, helpers, subclasses) and a tripwire (``verdict.watched``, a ``Wire``) watches it run, on
 the library's scalers and byte logic, torch's scalers and amp kernels included.
 ``hint(name)`` gives the next hint of an exercise. Read ``verdict.py`` first; the runs the
 FSDP check launches are in ``lab05_runs.py``.
@@ -35,6 +35,7 @@ from ..mixed_precision import unscale_grads_ as _unscale_grads_
 from ..mixed_precision import update_scale as _update_scale
 from . import lab05_runs as _runs
 from .verdict import Hints, call, check_world, failed, figures, passed, refuse_library, require_written, run
+from .verdict import watched as _watched  # private: the check module's public names are its checks
 
 hint = Hints({
     "underflow_fraction": [
@@ -140,7 +141,7 @@ def _underflow(underflow_fraction: Callable[..., Any]) -> str:
     v, lines = _values(), []
     nonzero = v != 0
     for dtype in _DTYPES:
-        got = _fraction(what, call(what, _watched(underflow_fraction, _EXERCISE1_LIBRARY), v.clone(), dtype))
+        got = _fraction(what, call(what, _watched(underflow_fraction, *_EXERCISE1_LIBRARY), v.clone(), dtype))
         want = _lost(v, dtype)
         if abs(got - want) > 1e-6:
             fi, name = torch.finfo(dtype), _name(dtype)
@@ -165,7 +166,7 @@ def _swamping(swamped_fraction: Callable[..., Any]) -> str:
     w, u = _weights_and_updates()
     lines = []
     for dtype in _DTYPES:
-        got = _fraction(what, call(what, _watched(swamped_fraction, _EXERCISE1_LIBRARY), w.clone(), u.clone(),
+        got = _fraction(what, call(what, _watched(swamped_fraction, *_EXERCISE1_LIBRARY), w.clone(), u.clone(),
                                    dtype))
         want, rounded = _swamped(w, u, dtype), _swamped(w, u, dtype, stored=False)
         if min(abs(got - want), abs(got - rounded)) > 1e-6:
@@ -188,15 +189,6 @@ def _swamping(swamped_fraction: Callable[..., Any]) -> str:
                          f"{name}, added in {name}: how many sums equal the stored weight?)")
         lines.append(f"{_name(dtype)} {got:.3f}")
     return "updates from 1e-9 to 0.1 swamped by their weight: " + ", ".join(lines)
-
-
-def _watched(fn: Callable[..., Any], library: tuple) -> Callable[..., Any]:
-    """``fn`` run under the tripwire on ``library`` (torch's amp kernels included)."""
-    def watched_fn(*args: Any, **kwargs: Any) -> Any:
-        with _runs.wire(*library):
-            return fn(*args, **kwargs)
-    watched_fn.__name__ = getattr(fn, "__name__", "learner_code")
-    return watched_fn
 
 
 def lost_in_16_bits(underflow_fraction: Callable[..., Any], swamped_fraction: Callable[..., Any]) -> None:
@@ -254,7 +246,7 @@ def _state(what: str, scaler: Any) -> tuple[float, int]:
 
 
 def _new_scaler(what: str, LossScaler: type, **kwargs: Any) -> Any:
-    return call(what, _watched(LossScaler, _runs.SCALER_LIBRARY), **kwargs)
+    return call(what, _watched(LossScaler, *_runs.SCALER_LIBRARY), **kwargs)
 
 
 def _unscale(what: str, LossScaler: type) -> None:
@@ -268,7 +260,7 @@ def _unscale(what: str, LossScaler: type) -> None:
                          f"scaler starts at (init_scale, 0)")
         mine = [t.clone() for t in grads]
         objects = list(mine)
-        got = call(what, _watched(scaler.unscale_, _runs.SCALER_LIBRARY), mine)
+        got = call(what, _watched(scaler.unscale_, *_runs.SCALER_LIBRARY), mine)
         if any(a is not b for a, b in zip(mine, objects)) or all(torch.equal(a, b) for a, b in zip(mine, grads)):
             failed(what, f"unscale_, {name}: the gradient tensors are unchanged; the optimizer reads p.grad, so "
                          "change those tensors in place (an in-place multiply), do not build new ones")
@@ -293,7 +285,7 @@ def _unscale(what: str, LossScaler: type) -> None:
 
 def _update(what: str, LossScaler: type) -> float:
     scaler = _new_scaler(what, LossScaler, init_scale=2.0**10, **_RULE)
-    update = _watched(scaler.update, _runs.SCALER_LIBRARY)
+    update = _watched(scaler.update, *_runs.SCALER_LIBRARY)
     scale, tracker = 2.0**10, 0
     for i, found in enumerate(_OVERFLOWS):
         want = _torch_update(scale, tracker, found)
@@ -394,7 +386,7 @@ def rescue(fp16_train_step: Callable[..., float], LossScaler: type) -> None:
     require_written(what, fp16_train_step)
     init_scale = 2.0**36   # too large at first: the first steps overflow, are skipped, and the scale backs off
     scaler = _new_scaler(what, LossScaler, init_scale=init_scale, growth_interval=4)
-    step_fn = _watched(fp16_train_step, _runs.STEP_LIBRARY)
+    step_fn = _watched(fp16_train_step, *_runs.STEP_LIBRARY)
     model16, master, opt = _fp16_setup()
     losses, scales = [], []
     for step in range(_RESCUE_STEPS):
@@ -499,7 +491,7 @@ def _policy_bytes(predict: Callable[[list[tuple[int, int]], Any], dict[str, int]
     units = measured.pop("units")
     lines = []
     for name, mp in _runs.POLICIES.items():
-        got = call(what, _watched(predict, library), list(units), mp)
+        got = call(what, _watched(predict, *library), list(units), mp)
         if not isinstance(got, dict) or not {"all_gather", "reduce_scatter"} <= set(got):
             failed(what, "return a dict with the keys 'all_gather' and 'reduce_scatter' (bytes per step)")
         want = {op: sum(v for k, v in measured[name].items() if op in k) for op in ("all_gather", "reduce_scatter")}

@@ -20,7 +20,7 @@ from ..mixed_precision import GradScaler, MixedPrecision, ShardedGradScaler, uns
 from .authorship import Wire
 
 # ------------------------------------------------------------------ the library, per exercise
-# torch's amp kernels are C functions: the static guard sees them by name, _ScalerWire when they run.
+# torch's amp kernels are C functions: the static guard sees them by name, a Wire when they run.
 TORCH_KERNELS = (torch._amp_foreach_non_finite_check_and_unscale_, torch._amp_update_scale_)
 
 
@@ -40,11 +40,6 @@ STEP_LIBRARY = (*SCALER_LIBRARY, FullyShardedDataParallel)
 BYTES_LIBRARY = (estimate.comm_bytes_per_step, estimate.paper_comm_bytes, estimate.param_bytes,
                  estimate.grad_bytes, comm.collective_bytes, MixedPrecision.effective_reduce_dtype.fget,
                  FullyShardedDataParallel, trace.Tracer)
-
-
-def wire(*library: Any) -> Wire:
-    """The run-time tripwire on ``library`` (torch's amp kernels, C functions, included)."""
-    return Wire(*library)
 
 
 # ------------------------------------------------------------------ exercise 4a: every rank skips the same step
@@ -72,7 +67,7 @@ def sharded_run(step_fn: Callable[..., Any] | None, scaler_cls: type | None) -> 
     shard = list(model.parameters())            # this rank's fp32 master shards: what the optimizer steps
     opt = torch.optim.AdamW(shard, lr=1e-2)
     if step_fn:
-        with wire(*SCALER_LIBRARY):
+        with Wire(*SCALER_LIBRARY):
             scaler = scaler_cls(**SHARDED_RULE)
     else:
         scaler = ShardedGradScaler(dist.device(), **SHARDED_RULE)
@@ -85,7 +80,7 @@ def sharded_run(step_fn: Callable[..., Any] | None, scaler_cls: type | None) -> 
             shard[0].grad[0] = math.nan if step == 7 else math.inf
         before = [p.detach().clone() for p in shard]
         if step_fn:
-            with wire(*SCALER_LIBRARY):
+            with Wire(*SCALER_LIBRARY):
                 found.append(bool(step_fn(shard, opt, scaler)))
             scales.append(float(scaler.scale))
         else:

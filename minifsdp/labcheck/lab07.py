@@ -25,7 +25,7 @@ from .. import pipeline as _pipeline
 from ..pipeline import executor as _executor
 from ..pipeline import schedules as _schedules
 from .authorship import code_objects, learner_owned
-from .verdict import CheckFailed, Hints, Wire, call, failed, figures, passed, refuse_library, require_written, watched
+from .verdict import CheckFailed, Hints, Wire, call, failed, figures, passed, require_own, watched
 
 __all__ = ["one_f_one_b", "interleaved", "zero_bubble", "executor", "hint"]
 
@@ -131,8 +131,7 @@ def _empty_cell(cell: Any) -> bool:
 
 def _refuse(what: str, fn: Callable, library: tuple) -> None:
     """Not written yet, or the library's: one sentence either way."""
-    require_written(what, fn)
-    refuse_library(what, fn, *library)
+    require_own(what, library, fn)
     name = _library_data_read(fn)
     if name is not None:
         failed(what, f"your code reads {name}, which holds plans the library made: build the plan in your "

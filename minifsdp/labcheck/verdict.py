@@ -16,14 +16,16 @@ The other helpers are what most checks need:
 * :func:`run` runs the learner's worker on N ranks through ``launch`` and turns
   an unfinished exercise (the lab's ``NotImplementedError``) or a crash into one
   sentence instead of a traceback per rank;
-* :func:`not_implemented` and :func:`is_library` / :func:`uses` tell the blank
-  lab and a call to the library apart from the learner's own code (LAB-GUIDE §1:
-  "the check must tell the learner's own code from a call to the library");
-  :func:`forbid` fails in one sentence on such a call;
+* :func:`call` does the same for a function run in this process;
+* :func:`require_written` (via :func:`is_library`) and :func:`uses` tell the
+  blank lab and a call to the library apart from the learner's own code
+  (LAB-GUIDE §1: "the check must tell the learner's own code from a call to the
+  library");
 * :func:`refuse_library` and :class:`Wire` (``authorship.py``) do it in any form:
   statically, through aliases, notebook helpers and subclasses, and at run time,
   where the library's implementation of the exercise trips a wire when it runs
-  inside the learner's code;
+  inside the learner's code (:func:`watched`: a function that runs under one);
+  :func:`require_own` is the usual pair, written and not the library's;
 * :class:`Hints` gives ``check.hint(name)``: the next hint, idea first.
 """
 from __future__ import annotations
@@ -33,11 +35,10 @@ import inspect
 import json
 import re
 import textwrap
-import types
 from typing import Any, Callable
 
 from ..launch import LaunchTimeout, WorkerError, launch
-from .authorship import LibraryShortcut, Wire, library_reached, watched  # noqa: F401 (re-exported)
+from .authorship import LibraryShortcut, Wire, code_objects, library_reached, watched  # noqa: F401 (re-exported)
 
 
 class CheckFailed(AssertionError):
@@ -67,11 +68,6 @@ def figures(label: str, yours: Any, target: Any, library: Any = None, unit: str 
         return f"{v} {unit}".rstrip()
     text = f"{label}: yours {fmt(yours)}, target {fmt(target)}"
     return text + (f", library {fmt(library)}" if library is not None else "")
-
-
-def not_implemented(fn: Callable[..., Any]) -> bool:
-    """True when ``fn`` still raises the blank lab's ``NotImplementedError`` placeholder."""
-    return _stub_hint(fn) is not None
 
 
 def _stub_hint(fn: Callable[..., Any]) -> str | None:
@@ -112,14 +108,6 @@ def is_library(fn: Any, *library: Any) -> bool:
     return module.startswith("minifsdp.") and not module.startswith("minifsdp.labcheck")
 
 
-def _code_objects(code: types.CodeType) -> list[types.CodeType]:
-    out = [code]
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out += _code_objects(const)
-    return out
-
-
 def uses(fn: Any, *names: str) -> list[str]:
     """Which of ``names`` the body of ``fn`` (nested functions included) refers to.
 
@@ -131,19 +119,11 @@ def uses(fn: Any, *names: str) -> list[str]:
     if code is None:
         return []
     found: set[str] = set()
-    for c in _code_objects(code):
+    for c in code_objects(code):
         found.update(c.co_names)
         found.update(ins.argval for ins in dis.get_instructions(c)
                      if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and isinstance(ins.argval, str))
     return [n for n in names if n in found]
-
-
-def forbid(what: str, fn: Any, names: tuple[str, ...], why: str, *library: Any) -> None:
-    """Fail with ``why`` when the body of ``fn`` uses one of ``names`` (``{name}`` in ``why``: the first it
-    uses) or ``fn`` is one of ``library``: the exercise is the mechanism, not a call to the one that has it."""
-    ran = uses(fn, *names)
-    if ran or any(fn is lib for lib in library):
-        failed(what, why.format(name=ran[0] if ran else getattr(fn, "__name__", "it")))
 
 
 def refuse_library(what: str, fn: Any, *library: Any) -> None:
@@ -153,6 +133,14 @@ def refuse_library(what: str, fn: Any, *library: Any) -> None:
     if reached:
         failed(what, f"your code reaches the library's {reached[0]}: the exercise is to build this mechanism "
                      "yourself, without minifsdp's implementation of it")
+
+
+def require_own(what: str, library: tuple, *fns: Any) -> None:
+    """The learner's own code: each of ``fns`` written (:func:`require_written`), then none reaching
+    ``library`` (:func:`refuse_library`); the first problem is the verdict."""
+    require_written(what, *fns)
+    for fn in fns:
+        refuse_library(what, fn, *library)
 
 
 def check_world(world_size: int) -> int:

@@ -146,7 +146,7 @@ class PipelineParallel(nn.Module):
             loss_fn = _fp32_loss(loss_fn)
         self.schedule = cls(self.stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else self.stages,
                             n_microbatches, loss_fn=loss_fn)
-        self._last_rank = _global(self.pp_group, (pp * v - 1) % pp)
+        self._last_rank = dist.global_rank(self.pp_group, (pp * v - 1) % pp)
 
     def _wrap(self, part: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         """What the stage runs: the part, under autocast, in a DDP over the replicas of this stage."""
@@ -193,7 +193,3 @@ def _fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) ->
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_fn(output.float(), target)
     return loss
-
-
-def _global(group: tdist.ProcessGroup | None, group_rank: int) -> int:
-    return tdist.get_global_rank(group, group_rank) if group is not None else group_rank

@@ -27,9 +27,10 @@ What I keeps for W is the layers' *graph edges* (``get_gradient_edge``), not
 their output tensors, and the stage's input, output and loss are dropped: the
 autograd nodes W walks keep what they saved (a Linear's input), while a
 layer's output that nothing saved (the logits, a projection before a
-residual add) is freed at I. Holding the output tensors instead raised the
-step's peak by 10% on gpt-tiny (pp 2 x v 2, m 4, rank 1: 2.11 -> 1.92 MB);
-torch's ``stage_backward_input`` keeps graph nodes too.
+residual add) is freed at I. Holding the output tensors instead would keep
+each of them alive from I to W, the bubble W waits in (README's measurement
+notes give the peak it cost); torch's ``stage_backward_input`` keeps graph
+nodes too.
 
 Data parallel over replicas of a stage (``PipelineParallel(dp=...)``): the
 submodule may be a ``minifsdp.ddp.DistributedDataParallel``, as with torch's
@@ -168,7 +169,7 @@ class PipelineStage:
     def rank_of(self, stage: int) -> int:
         """Global rank holding ``stage`` (send/recv take global ranks, as in torch)."""
         r = stage % self.group_size
-        return tdist.get_global_rank(self.group, r) if self.group is not None else r
+        return dist.global_rank(self.group, r)
 
     def is_local(self, stage: int) -> bool:
         return stage % self.group_size == self.group_rank

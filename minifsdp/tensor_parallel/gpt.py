@@ -35,8 +35,6 @@ Dropout must be 0: a tensor-parallel dropout needs per-region random streams
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,8 +43,7 @@ from .. import models
 from .cross_entropy import vocab_parallel_cross_entropy
 from .initialize import get_model_parallel_world_size
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide
-from .mappings import copy_to_model_parallel_region, gather_from_sequence_parallel_region, \
-    scatter_to_sequence_parallel_region
+from .mappings import copy_to_model_parallel_region, scatter_to_sequence_parallel_region
 
 __all__ = ["ParallelAttention", "ParallelMLP", "ParallelBlock", "ParallelGPT", "tensor_parallel_gpt",
            "check_divisible", "local_slices"]
@@ -86,13 +83,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)                            # (B, T, 3 * d/tp): [q_r, k_r, v_r]
-        B, T, _ = qkv.shape
-        h, hd = self.n_head_local, self.head_dim
-        q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=2))
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        scores = scores.masked_fill(self.future_mask[:T, :T], float("-inf"))
-        y = F.softmax(scores, dim=-1) @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, h * hd)  # this rank's heads side by side
+        y = models.causal_attention(qkv, self.head_dim, self.future_mask)  # this rank's heads
         return self.c_proj(y)
 
 

@@ -15,7 +15,6 @@ The trainer's ``--strategy torch-tp``; bench pairs it with ``tp``.
 from __future__ import annotations
 
 import contextlib
-import math
 import types
 from typing import Any, Callable, ContextManager
 
@@ -29,14 +28,7 @@ __all__ = ["torch_tensor_parallel_gpt", "torch_fsdp_tp_gpt", "torch_tp_train_ste
 
 def _local_heads_forward(self: models.CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
     qkv = self.c_attn(x)                                 # (B, T, 3 * d/tp) on this rank
-    B, T, three_local = qkv.shape
-    hd = self.n_embd // self.n_head
-    h = three_local // 3 // hd
-    q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in qkv.split(h * hd, dim=2))
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-    scores = scores.masked_fill(self.future_mask[:T, :T], float("-inf"))
-    y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(B, T, h * hd)
-    return self.c_proj(y)
+    return self.c_proj(models.causal_attention(qkv, self.n_embd // self.n_head, self.future_mask))
 
 
 def torch_tensor_parallel_gpt(model: models.GPT, tp: int, mesh: object | None = None) -> models.GPT:

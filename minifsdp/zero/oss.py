@@ -43,7 +43,6 @@ import io
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as tdist
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
@@ -97,11 +96,6 @@ def all_reduce_gradients(module: torch.nn.Module, group: ProcessGroup | None = N
         if p.grad is not None:
             p.grad.div_(n)
             comm.all_reduce(p.grad, group=group)
-
-
-def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """torch collectives name ``src``/``dst`` by *global* rank, even inside a subgroup."""
-    return group_rank if group is None else tdist.get_global_rank(group, group_rank)
 
 
 class OSS(torch.optim.Optimizer):
@@ -198,7 +192,7 @@ class OSS(torch.optim.Optimizer):
             return
         in_flight = []
         for owner in range(self.world_size):
-            src = _global_rank(self.group, owner)
+            src = dist.global_rank(self.group, owner)
             for bucket in self._buckets([p for g in self.partition[owner] for p in g["params"]]):
                 half = self.broadcast_fp16 and bucket[0].is_floating_point()
                 if len(bucket) == 1 and not half:  # big parameter: in place, no copy
@@ -276,7 +270,7 @@ class OSS(torch.optim.Optimizer):
         if self.world_size == 1:
             self._per_rank_state = [mine]
             return
-        dst = _global_rank(self.group, recipient_rank)
+        dst = dist.global_rank(self.group, recipient_rank)
         device = dist.device()
         if self.rank == recipient_rank:
             shards: list[dict] = []
@@ -284,7 +278,7 @@ class OSS(torch.optim.Optimizer):
                 if r == self.rank:
                     shards.append(mine)
                     continue
-                src = _global_rank(self.group, r)
+                src = dist.global_rank(self.group, r)
                 size = torch.zeros(1, dtype=torch.long, device=device)
                 comm.recv(size, src, self.group)
                 data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)

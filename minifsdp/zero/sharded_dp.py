@@ -57,7 +57,7 @@ from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
 from ..mixed_precision.policy import MixedPrecision
-from .oss import OSS, _global_rank
+from .oss import OSS
 
 __all__ = ["ShardedDataParallel", "wrap_zero", "reduce"]
 
@@ -147,7 +147,7 @@ class ShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, buffers: bool) -> None:
-        src = _global_rank(self.group, 0)
+        src = dist.global_rank(self.group, 0)
         tensors = list(self.module.parameters()) + (list(self.module.buffers()) if buffers else [])
         for t in tensors:
             comm.broadcast(t.data, src, self.group)
@@ -177,7 +177,7 @@ class ShardedDataParallel(nn.Module):
         if self.reduce_dtype is not None:  # scale first, then round: FairScale's order
             p.grad.data = p.grad.data.to(self.reduce_dtype)
         if self.shard_gradients:
-            handle = reduce(p.grad, _global_rank(self.group, self._owner[p]), group=self.group, async_op=True)
+            handle = reduce(p.grad, dist.global_rank(self.group, self._owner[p]), group=self.group, async_op=True)
         else:
             handle = comm.all_reduce(p.grad, group=self.group, async_op=True)
         self._in_flight.append((p, handle))
