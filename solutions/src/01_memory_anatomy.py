@@ -266,7 +266,8 @@ check.mlp_activations(predict_mlp_activation_bytes)
 # op by op; with the probe's rules you can say what each line keeps.
 
 # %%
-for fn in (models.Block.forward, models.CausalSelfAttention.forward, models.FeedForward.forward):
+for fn in (models.Block.forward, models.CausalSelfAttention.forward, models.causal_attention,
+           models.FeedForward.forward):
     print(inspect.getsource(fn))
 
 # %% [markdown]
