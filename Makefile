@@ -28,8 +28,10 @@ demo: $(VENV)/.installed
 lab: $(VENV)/.installed
 	$(PY) -m jupyter lab --ServerApp.root_dir=. $(ROOT_FLAG)
 
+# Two pytest-xdist workers: a notebook or a launch waits on its kernel or its ranks much of the time, and
+# the other worker uses that time (conftest.py: what stays together on one worker, and why nothing collides).
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # conftest.py marks what starts processes or kernels; solutions/ (nbval) is all notebook
 test-fast: $(VENV)/.installed

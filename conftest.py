@@ -33,11 +33,12 @@ tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution once 
 nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``), and as a 2-GPU VM for a notebook that nbval
 does not run in the session.
 
-**In parallel.** ``make test`` runs on pytest-xdist workers (pyproject's addopts). A notebook's
-cells share one kernel, so they stay on one worker (``xdist_group``), and so do the tests of one
-module, whose module-scoped fixtures then run once; tests/test_notebooks.py's notebook runs are
-independent and spread over the workers. Workers meet in temporary folders, not ports
-(launch.py's FileStore, torchrun's ``--standalone``), so nothing collides.
+**In parallel.** ``make test`` runs on two pytest-xdist workers (the Makefile's ``-n 2 --dist
+loadfile``): a kernel or a launch waits much of the time, and the other worker uses it. Each file
+stays on one worker: a notebook's cells share one kernel, and a module's module-scoped fixtures
+run once. The notebook files, the longest, go first, so that no worker is left with one at the
+end. Workers meet in temporary folders, not ports (launch.py's FileStore, torchrun's
+``--standalone``), so nothing collides.
 """
 from __future__ import annotations
 
@@ -243,9 +244,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
             if _reaches_a_spawner(item.function, fixtures):
                 item.add_marker(pytest.mark.multiprocess)
-        # pytest-xdist, --dist loadgroup: a notebook's cells share a kernel; a module's tests share its fixtures
-        if config.pluginmanager.hasplugin("xdist") and item.path.name != "test_notebooks.py":
-            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(ROOT).as_posix()))
+    if config.getoption("numprocesses", None):  # the longest first (a stable sort: each file keeps its order)
+        items.sort(key=lambda item: item.get_closest_marker("notebook") is None)
 
 
 # ---------------------------------------------------------------- a fast test stays fast

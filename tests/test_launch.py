@@ -215,6 +215,7 @@ def test_no_gpu_visible_with_nccl_is_explained(monkeypatch):
 
 
 def _stub_on_every_rank():
+    tdist.barrier()  # every rank raises at once: none misses launch's grace period on a busy machine
     raise NotImplementedError("Exercise: write the ring, then run the check cell below.")
 
 
