@@ -36,8 +36,7 @@ does not run in the session.
 **In parallel.** ``make test`` runs on two pytest-xdist workers (the Makefile's ``-n 2 --dist
 loadfile``): a kernel or a launch waits much of the time, and the other worker uses it. Each file
 stays on one worker: a notebook's cells share one kernel, and a module's module-scoped fixtures
-run once. The notebook files, the longest, go first, so that no worker is left with one at the
-end. Workers meet in temporary folders, not ports (launch.py's FileStore, torchrun's
+run once. Workers meet in temporary folders, not ports (launch.py's FileStore, torchrun's
 ``--standalone``), so nothing collides.
 """
 from __future__ import annotations
@@ -207,7 +206,8 @@ def _spawns(root: Any, modules: tuple[types.ModuleType, ...] = ()) -> bool:
         found = _is_spawner(obj) or (obj is not root and _SPAWNS.get((id(obj),), False))
         todo.extend((inner, ()) for inner in _inside(obj))
         if isinstance(obj, type) and _ours(obj):
-            todo.extend((v, ()) for v in vars(obj).values() if callable(v) or isinstance(v, (staticmethod, classmethod)))
+            methods = (v for v in vars(obj).values() if callable(v) or isinstance(v, (staticmethod, classmethod)))
+            todo.extend((v, ()) for v in methods)
             continue
         if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
             obj = obj.__func__
@@ -244,8 +244,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
             if _reaches_a_spawner(item.function, fixtures):
                 item.add_marker(pytest.mark.multiprocess)
-    if config.getoption("numprocesses", None):  # the longest first (a stable sort: each file keeps its order)
-        items.sort(key=lambda item: item.get_closest_marker("notebook") is None)
 
 
 # ---------------------------------------------------------------- a fast test stays fast
