@@ -3,6 +3,7 @@
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,39 +47,43 @@ def test_function_defined_in_main_like_namespace():
     assert launch(namespace["cell_fn"], 2, 5) == [5, 10]
 
 
-def _boom_on_rank_1():
+def _boom_on_rank_1(finished: str):
     if tdist.get_rank() == 1:
         raise ValueError("rank one exploded")
-    tdist.barrier()  # rank 0 waits on the dead peer: its error is only a symptom
+    if tdist.get_rank() == 2:
+        tdist.barrier()  # waits on the dead peer: an error here is only a symptom
+    time.sleep(20)  # rank 0: still busy when rank 1 fails
+    Path(finished, f"rank{tdist.get_rank()}").touch()
 
 
-def test_raising_rank_reported_with_original_traceback_fast():
-    start = time.monotonic()
+def test_raising_rank_reported_with_original_traceback_without_waiting_for_peers(tmp_path):
+    """The failing rank is reported as soon as the peers have had their grace period: a peer still busy
+    is stopped, not awaited (it never finishes its 20 s), and a peer's symptom does not hide the cause."""
     with pytest.raises(WorkerError) as info:
-        launch(_boom_on_rank_1, 2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 5.0, f"took {elapsed:.1f}s to report a failing rank"
+        launch(_boom_on_rank_1, 3, str(tmp_path), timeout=120)
     err = info.value
     assert err.ranks == [1]
     assert "rank 1" in str(err) and "ValueError: rank one exploded" in str(err)
     assert "_boom_on_rank_1" in err.failures[1]  # the worker's own traceback, not a peer's
     assert isinstance(err.__cause__, ValueError)
+    assert list(tmp_path.iterdir()) == [], "launch waited for the busy peers instead of stopping them"
 
 
-def _hang_on_rank_0():
+def _hang_on_rank_0(marks: str):
     if tdist.get_rank() == 0:
         time.sleep(60)
     tdist.barrier()
+    Path(marks, f"finished{tdist.get_rank()}").touch()
 
 
-def test_hung_rank_hits_deadline_and_says_where():
-    start = time.monotonic()
+def test_hung_rank_hits_deadline_and_says_where(tmp_path):
+    """No rank finished: launch gave up at its deadline (3 s), not after rank 0's 60 s sleep, and says
+    which ranks were still running, and where."""
     with pytest.raises(LaunchTimeout) as info:
-        launch(_hang_on_rank_0, 2, timeout=3)
-    elapsed = time.monotonic() - start
-    assert 3.0 <= elapsed < 8.0
+        launch(_hang_on_rank_0, 2, str(tmp_path), timeout=3)
     assert info.value.running == [0, 1]
     assert "_hang_on_rank_0" in str(info.value)  # the faulthandler stack shows the user's frame
+    assert list(tmp_path.iterdir()) == [], "launch waited past its deadline"
 
 
 def _pids_then_exit_hard():
@@ -112,15 +117,18 @@ def _is_worker(pid):
         return False
 
 
-def test_twenty_launches_stay_fast():
-    launch(_rank_info, 2, 0)  # warm the forkserver
-    times = []
-    for _ in range(20):
-        start = time.monotonic()
-        launch(_rank_info, 2, 0)
-        times.append(time.monotonic() - start)
-    print(f"20 launches of 2 ranks: median {sorted(times)[10]:.3f}s, max {max(times):.3f}s")
-    assert sorted(times)[10] < 1.0 and max(times) < 3.0
+def _worker_origin():
+    return {"parent": os.getppid(), "torch_preloaded": "torch._dynamo" in sys.modules}
+
+
+def test_launches_reuse_one_forkserver_that_holds_torch():
+    """What keeps a launch cheap (~0.2 s, not the ~1.5 s of importing torch again per rank): every
+    worker of every launch is forked from one forkserver that has already imported torch and
+    torch._dynamo. (The seconds themselves are for a benchmark, not for a test on a shared machine.)"""
+    out = [r for _ in range(5) for r in launch(_worker_origin, 2, timeout=60)]
+    parents = {r["parent"] for r in out}
+    assert len(parents) == 1 and os.getpid() not in parents, parents
+    assert all(r["torch_preloaded"] for r in out)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
@@ -207,6 +215,7 @@ def test_no_gpu_visible_with_nccl_is_explained(monkeypatch):
 
 
 def _stub_on_every_rank():
+    tdist.barrier()  # every rank raises at once: none misses launch's grace period on a busy machine
     raise NotImplementedError("Exercise: write the ring, then run the check cell below.")
 
 

@@ -304,6 +304,7 @@ def test_diagram_bad_input():
         plot.collective_diagram("broadcast", 2, src=2)
 
 
+@pytest.mark.notebook  # a Jupyter kernel, started through a name conftest.py cannot follow
 def test_notebook_shows_a_returned_figure_once():
     """In a Jupyter kernel (inline backend, nothing forced) a returned figure is one PNG output."""
     nbformat = pytest.importorskip("nbformat")
