@@ -13,26 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifsdp.train import TrainConfig, parse_args, train, validate
-
-TOL = {"bf16": 2.0**-8, "fp16": 2.0**-11}
-
-
-def _metrics(tmp_path, strategy, precision="fp32", world_size=None, **kw):
-    world_size = world_size or (1 if strategy == "single" else 2)
-    cfg = TrainConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", steps=4,
-                      batch_size=8, seq_len=32, lr=3e-3, precision=precision, out=str(tmp_path / strategy),
-                      quiet=True, track_memory=False, write_plots=False, timeout=180, **kw)
-    return train(cfg)
+from minifsdp.train import TrainConfig, parse_args, validate
+from train_helpers import TOL, fp32_single  # noqa: F401  (fp32_single: a fixture)
+from train_helpers import run_metrics as _metrics
 
 
 def _run(tmp_path, strategy, precision="fp32", **kw):
     return _metrics(tmp_path, strategy, precision, **kw)["losses"]
-
-
-@pytest.fixture(scope="module")
-def fp32_single(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("single"), "single")
 
 
 @pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("fsdp", "fp16"), ("ddp", "bf16"),

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_mixed_precision_train import TOL, _metrics, fp32_single  # noqa: F401  (fp32_single: a fixture)
+from train_helpers import TOL, fp32_single  # noqa: F401  (fp32_single: a fixture)
+from train_helpers import run_metrics as _metrics
 
 from minifsdp import bench
 from minifsdp.train import TrainConfig, validate
