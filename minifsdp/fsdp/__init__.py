@@ -17,6 +17,13 @@ meta-device init); ``unit.py`` holds what the files share, so imports here run
 one way (tests/test_import_graph.py). ``fully_sharded_data_parallel.py`` only
 re-exports under torch's module path.
 
+Per-parameter FSDP (FSDP2, ``fully_shard``; lab 04b) is the second half:
+``policies.py`` (its options), ``fsdp_param.py`` (one parameter's Shard(0) with
+padding), ``param_group.py`` (one all-gather and one reduce-scatter per module),
+``fully_shard.py`` (the hooks of one step, ``FSDPModule``'s methods)::
+
+    from minifsdp.fsdp import fully_shard, MixedPrecisionPolicy   # torch.distributed.fsdp's names
+
 ``minifsdp.fsdp.wrap`` is the module, as in torch: ``from minifsdp.fsdp.wrap import wrap``.
 """
 
@@ -24,7 +31,9 @@ from . import wrap  # the module (torch's ``torch.distributed.fsdp.wrap``), not 
 from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig,
                   LocalStateDictConfig, MixedPrecision, OptimStateDictConfig, ShardedOptimStateDictConfig,
                   ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
+from .fully_shard import FSDPModule, UnshardHandle, fully_shard
 from .fully_sharded import FullyShardedDataParallel
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import FlatShard, load_sharded, save_sharded
 from .strategy import init_hybrid_groups
 from .wrap import (ModuleWrapPolicy, always_wrap_policy, auto_wrap, default_auto_wrap_policy, enable_wrap,
@@ -39,4 +48,5 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPref
            "save_sharded", "load_sharded",
            "init_hybrid_groups", "ModuleWrapPolicy", "always_wrap_policy", "auto_wrap", "default_auto_wrap_policy",
            "enable_wrap", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
-           "wrap"]  # "wrap": the module
+           "wrap",  # "wrap": the module
+           "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
