@@ -11,7 +11,7 @@ CONSTRAINTS ?= constraints.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: demo lab test test-fast labs clean
+.PHONY: demo lab test test-fast test-gpu-counts labs clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(VENV)/.installed
 # conftest.py marks what starts processes or kernels; solutions/ (nbval) is all notebook
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest tests -m "not multiprocess and not notebook"
+
+# every solution notebook as a 1-GPU VM too (make test: 2-GPU under nbval, blank labs as 1-GPU)
+test-gpu-counts: $(VENV)/.installed
+	MINIFSDP_NB_GPU_COUNTS=1 $(PY) -m pytest tests/test_notebooks.py -k pretend_gpus
 
 labs: $(VENV)/.installed
 	$(PY) tools/make_labs.py

@@ -29,9 +29,9 @@ That one execution gives two guarantees:
   prints and compares as ``cpu``, so the compared outputs are the same. On a GPU machine the
   workers run on the real GPUs with NCCL, which is the check itself.
 
-tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution once more through
-nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``), and as a 2-GPU VM for a notebook that nbval
-does not run in the session.
+tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution as a 2-GPU VM for a
+notebook that nbval does not run in the session, and (opt-in: ``make test-gpu-counts``) once more
+through nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``).
 
 **Serially.** ``make test`` runs one test at a time. Two pytest-xdist workers (``-n 2 --dist
 loadfile``) measured 591 s against 635 s, but with two notebook kernels at once nbclient's rare

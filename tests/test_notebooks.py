@@ -8,13 +8,13 @@
   with the exercise's ``NotImplementedError`` stub; then every other cell runs
   too, and every check cell must fail (no reference implementation outside the
   exercises);
-* every solution runs as on a 1-GPU and a 2-GPU VM (``MINIFSDP_FAKE_GPU=1`` / ``2``:
+* every solution runs as on a 2-GPU VM and (opt-in) a 1-GPU VM (``MINIFSDP_FAKE_GPU=2`` / ``1``:
   device discipline, no worker hands a CPU tensor to a collective, and CPU
   ranks where a lesson needs more ranks than GPUs; see minifsdp/fake_gpu.py).
 
 ``make test`` executes the solutions with ``pytest --nbval-lax`` (pyproject's
-testpaths include solutions/), under ``MINIFSDP_FAKE_GPU=2`` (conftest.py), then
-once more here under ``MINIFSDP_FAKE_GPU=1``: the 2-GPU run here skips a
+testpaths include solutions/), under ``MINIFSDP_FAKE_GPU=2`` (conftest.py); the run
+here under ``MINIFSDP_FAKE_GPU=1`` is opt-in (``make test-gpu-counts``), the 2-GPU run here skips a
 notebook that nbval runs in the same session, and the nbclient run of the
 solutions, which adds the twice-run NBVAL_CHECK_OUTPUT comparison, is opt-in:
 ``MINIFSDP_NB_DETERMINISM=1 pytest tests/test_notebooks.py``.  The runner is first tested on
@@ -191,7 +191,13 @@ def test_solution_on_pretend_gpus(path: Path, gpus: str, request: pytest.Fixture
     GPUs than the machine has, and never counts one rank as a proof.
 
     When nbval executes every cell of the notebook in this session (``make test``), that run is already the
-    2-GPU one (conftest.py): this one would only repeat it."""
+    2-GPU one (conftest.py): this one would only repeat it. The 1-GPU run is opt-in
+    (``MINIFSDP_NB_GPU_COUNTS=1``, ``make test-gpu-counts``): what it adds is covered in ``make test`` by
+    parts -- the blank lab runs every cell outside the exercises as a 1-GPU VM, tests/test_labcheck_NN.py
+    runs every check on the solution with CPU ranks (the path a 1-GPU VM takes for 2 ranks), and nbval
+    runs the exercises' 1- and 2-rank launches on pretend GPUs -- and it costs a third of the suite's time."""
+    if gpus == "1" and os.environ.get("MINIFSDP_NB_GPU_COUNTS") != "1":
+        pytest.skip("the 1-GPU run of every solution is opt-in: MINIFSDP_NB_GPU_COUNTS=1 (make test-gpu-counts)")
     if gpus == "2" and any(item.path == path for item in request.session.items) \
             and "NBVAL_SKIP" not in path.read_text():
         pytest.skip("nbval runs every cell of this notebook in this session, as a 2-GPU VM (conftest.py)")
