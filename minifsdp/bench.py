@@ -2,9 +2,10 @@
 
 Front layer. ``python -m minifsdp.bench`` trains the same model on the same
 data with each side of a pair (``ddp`` vs ``torch-ddp``, ``fsdp`` vs
-``torch-fsdp``, ...) at each world size, alternating the order of the pair
+``torch-fsdp``, ...; ``fsdp2`` vs ``fsdp`` puts our per-parameter and flat-unit
+FSDP side by side) at each world size, alternating the order of the pair
 between repeats so that a noisy machine hurts both sides alike, and reports
-medians and ratios (minifsdp / torch):
+medians and ratios (ours / the reference, torch's in every pair but ``fsdp2:fsdp``):
 
 * step time — the median over the steps after ``--warmup``, then the median
   over repeats (timing runs do *not* track memory: tracking costs ~1.3x);
@@ -14,7 +15,8 @@ medians and ratios (minifsdp / torch):
   torch's are counted by ``torch_reference.count_collectives`` (and a DDP
   comm hook for DDP's C++ all-reduce), so both columns are measured. The
   third column, *expected*, is ``estimate.comm_bytes_per_step`` for the
-  model's structure (``expected_bytes``), padding included; minifsdp must
+  model's structure (``expected_bytes``; ``estimate.fully_shard_comm_bytes``
+  for fsdp2, padded per parameter), padding included; minifsdp must
   move exactly that. *paper* is the ZeRO paper's k·4Ψ bytes for Ψ fp32 parameters (``estimate.paper_comm_bytes``).
 * same losses — both sides' losses agree (rel 1e-5): they trained the same.
 * ``--pin-malloc`` fixes glibc's malloc thresholds for every worker of both
@@ -76,14 +78,17 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "sharding": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
                  "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
                  "fsdp@NO_SHARD:torch-fsdp@NO_SHARD", "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD",
-                 "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP"),
+                 "fsdp@FULL_SHARD:torch-fsdp2", "fsdp@SHARD_GRAD_OP:torch-fsdp2@SHARD_GRAD_OP",
+                 # per-parameter sharding (fully_shard) beside torch's, and beside our flat-unit FSDP
+                 "fsdp2:torch-fsdp2", "fsdp2:fsdp"),
     # activation checkpointing of every Block (train --checkpoint), ours beside torch's checkpoint_wrapper
     "checkpoint": ("fsdp:torch-fsdp", "fsdp#full:torch-fsdp#full", "fsdp#selective:torch-fsdp#selective"),
     # mixed precision (train --precision / --autocast): side%bf16 casts FSDP's parameters (a MixedPrecision
     # policy, torch's own on torch's side), side%autocast runs forward under torch.autocast. %fp16 adds the
     # gradient scaler: ShardedGradScaler beside torch's (FSDP), GradScaler beside torch.amp's (DDP).
     "precision": ("fsdp:torch-fsdp", "fsdp%bf16:torch-fsdp%bf16", "fsdp%autocast:torch-fsdp%autocast",
-                  "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "ddp%bf16:torch-ddp%bf16",
+                  "fsdp#full%bf16:torch-fsdp#full%bf16", "fsdp%bf16:torch-fsdp2%bf16", "fsdp2%bf16:torch-fsdp2%bf16",
+                  "fsdp2%bf16:fsdp%bf16", "ddp%bf16:torch-ddp%bf16",
                   "fsdp%fp16:torch-fsdp%fp16", "ddp%fp16:torch-ddp%fp16"),
     # each pipeline schedule beside torch.distributed.pipelining's (pp = world size, m = 2 x pp
     # micro-batches, v = 2 stages per rank for interleaved and zero-bubble)
@@ -320,8 +325,8 @@ _PAPER_LABEL = {k: f"{v}·4Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}  # �
 def table(rows: list[dict[str, Any]]) -> str:
     """The README table: one line per pair and world size."""
     mib = 2 ** 20
-    head = ("| world | minifsdp | torch | step ms (ours / torch) | step ratio | peak MiB (ours / torch) "
-            "| peak ratio | MiB moved per step (ours / torch / expected) | paper | ours = expected | same losses |")
+    head = ("| world | minifsdp | reference | step ms (ours / ref) | step ratio | peak MiB (ours / ref) "
+            "| peak ratio | MiB moved per step (ours / ref / expected) | paper | ours = expected | same losses |")
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         ours, theirs = r["ours"], r["theirs"]

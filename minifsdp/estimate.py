@@ -13,7 +13,9 @@ number of bytes (or a fraction); ``format_bytes`` makes it readable.
 * Communication per optimizer step: ``comm_bytes_per_step`` is exact (padding,
   FSDP's root rule; what ``minifsdp.comm`` records, to the byte, for every
   strategy: ``python -m minifsdp.bench`` and tests/test_bytes_agree.py hold
-  it to that), ``paper_comm_bytes`` the ZeRO paper's k·4Ψ bytes (section 7).
+  it to that), ``fully_shard_comm_bytes`` the same for per-parameter sharding
+  (FSDP2, padded per parameter), ``paper_comm_bytes`` the ZeRO paper's k·4Ψ
+  bytes (section 7).
 * Activation memory of ``models.GPT``, counted from the tensors that autograd
   saves for backward in *this* implementation (compare Korthikanti et al.
   2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -52,6 +54,9 @@ __all__ = [
     "comm_bytes_per_step",
     "paper_comm_bytes",
     "fsdp_unit_numels",
+    "fully_shard_padded_numel",
+    "fully_shard_group_shapes",
+    "fully_shard_comm_bytes",
     "COMM_STRATEGIES",
     "ZERO_PAPER_PSI",
     "pipeline_bubble_fraction",
@@ -492,6 +497,118 @@ def fsdp_unit_numels(model: torch.nn.Module, unit_types: tuple[type, ...]) -> tu
             units.append(sum(p.numel() for p in m.parameters()))
             inside.update(id(sub) for sub in m.modules())
     return units, sum(p.numel() for p in model.parameters()) - sum(units)
+
+
+# --------------------------------------------------------------------------
+# Per-parameter sharding (FSDP2, ``fully_shard``): padding per parameter, not per unit
+# --------------------------------------------------------------------------
+
+Shape = Sequence[int]
+
+
+def fully_shard_padded_numel(shape: Shape, world_size: int) -> int:
+    """Elements one parameter takes in ``fully_shard``'s all-gather over N ranks: N·ceil(d0/N)·(numel/d0).
+
+    FSDP2 cuts each parameter along dim 0 into N pieces of ceil(d0/N) rows (``torch.chunk``'s
+    cut) and pads every piece to that many rows, so each rank sends the same bytes. The
+    padding is up to N − 1 *rows per parameter*; a flat FSDP unit (``padded_numel``) pads up
+    to N − 1 *elements per unit*.
+
+    >>> fully_shard_padded_numel((5, 3), 4)   # 2 rows per rank: 8 rows, 3 of them padding (fsdp_param.py)
+    24
+    >>> fully_shard_padded_numel((32, 32), 3), padded_numel(32 * 32, 3)   # per parameter: one row; flat: 2
+    (1056, 1026)
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if len(shape) == 0:
+        raise ValueError("fully_shard shards along dim 0: a scalar parameter has none")
+    rows, row_numel = int(shape[0]), math.prod(int(d) for d in shape[1:])
+    return world_size * math.ceil(rows / world_size) * row_numel
+
+
+def fully_shard_group_shapes(model: torch.nn.Module,
+                             unit_types: tuple[type, ...]) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, ...]]]:
+    """Parameter shapes of each ``fully_shard`` group: ``([group, ...], root)``, as ``fsdp_unit_numels`` counts.
+
+    ``fully_shard`` on every outermost module of ``unit_types``, then on the model: each such
+    module is a group (one all-gather, one reduce-scatter); the root holds every parameter
+    no group does. Feed the result to ``fully_shard_comm_bytes``:
+
+    >>> net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> fully_shard_group_shapes(net, (torch.nn.Linear,))
+    ([[(4, 4), (4,)], [(2, 4), (2,)]], [(10, 4)])
+    """
+    groups: list[list[tuple[int, ...]]] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, unit_types) and id(m) not in inside and m is not model:
+            groups.append([tuple(p.shape) for p in m.parameters()])
+            inside.update(id(p) for p in m.parameters())
+    return groups, [tuple(p.shape) for p in model.parameters() if id(p) not in inside]
+
+
+def fully_shard_comm_bytes(
+    groups: Sequence[Sequence[Shape]],
+    world_size: int,
+    dtype: DType = torch.float32,
+    *,
+    root: Sequence[Shape] = (),
+    reshard_after_forward: bool | None = None,
+    shard_size: int | None = None,
+    grad_dtype: DType | None = None,
+    micro_batches: int = 1,
+) -> dict[str, int]:
+    """Bytes ``fully_shard`` (FSDP2) moves per optimizer step and rank, by collective, exactly.
+
+    ``groups`` holds each non-root group's parameter shapes, ``root`` the root's
+    (``fully_shard_group_shapes``). A group of S shard ranks gathers
+    G = Σ S·ceil(d0/S)·(numel/d0) elements (``fully_shard_padded_numel``) in one
+    all-gather and reduce-scatters G gradient elements in one reduce-scatter. Per step:
+
+    * all_gather: every group in each forward, and again in each backward for a group
+      resharded after forward. ``reshard_after_forward`` None (FSDP2's default, FULL_SHARD)
+      reshards every group but the root (backward needs the root first); True the root
+      too; False (SHARD_GRAD_OP) none. With ``micro_batches`` m (gradient accumulation
+      without sync) the gathers happen m times: each backward reshards.
+    * reduce_scatter: every gradient once, in ``grad_dtype`` (``reduce_dtype``; default ``dtype``).
+    * HSDP (``shard_size`` S < ``world_size``, a 2-D mesh replicate × shard): the above
+      within the shard group of S ranks, then each rank's reduced piece (G/S elements)
+      all-reduced across the N/S replicas: 2·G/S in ``comm``'s all-reduce convention.
+
+    ``dtype`` is what is gathered (``param_dtype``). A group of one rank moves nothing.
+
+    gpt-tiny (two blocks, then the root), 3 ranks, fp32, FULL_SHARD. Every tensor of 32,
+    128 or 256 rows gets a padding row (33, 129, 258 rows; 96 splits evenly): a block's
+    12,704 parameters take 12,903 elements, the root's 17,472 take 17,634 (a flat unit:
+    12,705 and 17,472). Gathered: 2 · 2 · 12,903 + 17,634 = 69,246 elements; reduced 43,440:
+
+    >>> block = [(32,), (32,), (96, 32), (96,), (32, 32), (32,), (32,), (32,), (128, 32), (128,), (32, 128), (32,)]
+    >>> root = [(256, 32), (32, 32), (32,), (32,), (256, 32)]
+    >>> fully_shard_comm_bytes([block, block], 3, root=root)
+    {'all_gather': 276984, 'reduce_scatter': 173760, 'total': 450744}
+    """
+    n, b = world_size, dtype_bytes(dtype)
+    g = dtype_bytes(grad_dtype) if grad_dtype is not None else b
+    s = n if shard_size is None else shard_size
+    if n < 1 or s < 1 or n % s:
+        raise ValueError(f"shard_size {shard_size} must divide world_size {n} (both >= 1)")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    sizes = [sum(fully_shard_padded_numel(shape, s) for shape in group) for group in groups]
+    root_size = sum(fully_shard_padded_numel(shape, s) for shape in root)
+    every = sum(sizes) + root_size
+    resharded = (sum(sizes) if reshard_after_forward is not False else 0) + \
+        (root_size if reshard_after_forward is True else 0)
+    by_op: dict[str, int] = {}
+    if s > 1:
+        by_op["all_gather"] = micro_batches * (every + resharded) * b
+        by_op["reduce_scatter"] = every * g
+    if n // s > 1:
+        by_op["all_reduce"] = 2 * every // s * g
+    out = {op: v for op, v in by_op.items() if v}
+    out["total"] = sum(out.values())
+    return out
 
 
 def pipeline_bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -14,30 +14,35 @@ is written down once, in a ``Strategy`` record:
   and whose implementation it is (``"minifsdp"`` or ``"torch"``: torch's get
   torch's checkpoint wrapper and gradient scaler, and their collectives counted).
 * ``build(model, cfg, layout) -> Built``: the wrapped model, its optimizer, the
-  loss function, the train step (None: the loop's forward and backward), and
-  which slice of the global batch this rank reads (``data_rank`` of ``data_size``).
+  loss function, the train step (None: the loop's forward and backward), how
+  backward skips the gradient sync on the micro-batches before the last
+  (``no_sync``: DDP's and FSDP1's method, FSDP2's ``set_requires_gradient_sync``),
+  and which slice of the global batch this rank reads (``data_rank`` of ``data_size``).
 * ``expected_bytes(cfg, layout)``: what minifsdp's side moves per step, from
   ``estimate`` / ``planner`` (bench's *expected* column); None for torch's.
 
 The CLI names (``--strategy fsdp``, ``torch-pp``, ...) are records in
 ``minifsdp.strategies`` (ours) and ``minifsdp.torch_reference`` (torch's).
 ``TrainConfig`` (the flags) and the helpers every builder shares (AdamW,
-checkpointing, autocast) live here too, so that both can build without the trainer.
+checkpointing, autocast, FSDP2's recipe) live here too, so that both can build
+without the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from . import models
+from . import dist, models
 from .layout import Layout, virtual_stages_for
 from .mixed_precision import PRECISIONS
 
-__all__ = ["TrainConfig", "Strategy", "Built", "adamw", "apply_checkpointing", "autocast", "pipeline_autocast"]
+__all__ = ["TrainConfig", "Strategy", "Built", "adamw", "apply_checkpointing", "autocast", "pipeline_autocast",
+           "fully_shard_gpt"]
 
 
 @dataclass
@@ -81,8 +86,9 @@ class TrainConfig:
 @dataclass
 class Built:
     """What a builder hands the loop. ``train_step(x, y) -> loss``: the strategy runs forward and backward
-    itself (None: the loop's ``loss_fn(model(x), y).backward()``). ``data_rank`` / ``data_size``: the slice
-    of the global batch this rank reads (None: its own rank of the world)."""
+    itself (None: the loop's ``loss_fn(model(x), y).backward()``). ``no_sync()``: a context in which
+    backward keeps its gradients local (None: the model's own ``no_sync``, if it has one). ``data_rank`` /
+    ``data_size``: the slice of the global batch this rank reads (None: its own rank of the world)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -90,6 +96,13 @@ class Built:
     train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     data_rank: int | None = None
     data_size: int | None = None
+    no_sync: Callable[[], ContextManager] | None = None
+
+    def micro_batch(self, last: bool) -> ContextManager:
+        """--grad-accum: the context of one micro-batch's forward and backward. Every micro-batch but the
+        last runs without gradient sync (the gradients accumulate locally); the last one reduces the sum."""
+        no_sync = self.no_sync or getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
 
 Builder = Callable[[torch.nn.Module, TrainConfig, Layout], Built]
@@ -161,3 +174,58 @@ def pipeline_autocast(cfg: TrainConfig) -> torch.dtype | None:
     """A pipeline's share of --precision bf16 / --autocast: each stage's forward under bf16 autocast
     (fp16 is refused in validate: its loss scaling would have to run inside the schedule)."""
     return torch.bfloat16 if cfg.precision == "bf16" or cfg.autocast else None
+
+
+def fully_shard_gpt(model: torch.nn.Module, cfg: TrainConfig, layout: Layout, implementation: str = "minifsdp") -> Built:
+    """FSDP2's recipe: ``fully_shard`` each ``models.Block``, then the root; AdamW on the DTensor shards.
+
+    One function for ``--strategy fsdp2`` (``minifsdp.fsdp``) and ``torch-fsdp2``
+    (``torch.distributed.fsdp``): the two runs differ only by the import. The flags map
+    as torch's FSDP1 names do onto FSDP2's arguments:
+
+    ===================  ==========================================================
+    --sharding-strategy  fully_shard
+    ===================  ==========================================================
+    FULL_SHARD           ``reshard_after_forward=None``: True for every block, the
+                         root kept from forward to backward (its backward is first)
+    SHARD_GRAD_OP        ``reshard_after_forward=False``: gathered once per step
+    HYBRID_SHARD         FULL_SHARD on a 2-D mesh (replicate x shard) from the layout:
+                         4 ranks = [[0, 1], [2, 3]], shard inside a row, all-reduce
+                         the reduced shards down a column (HSDP)
+    ===================  ==========================================================
+
+    ``--precision bf16`` is ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``;
+    ``--wrap none`` shards the root only; ``--checkpoint`` wrapped the blocks before this
+    (the trainer's order). ``--grad-accum``: ``Built.no_sync`` turns
+    ``set_requires_gradient_sync(False)`` on for every micro-batch but the last, so
+    gradients are reduce-scattered once per step.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if implementation == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from .fsdp import MixedPrecisionPolicy, fully_shard
+    if cfg.sharding_strategy == "HYBRID_SHARD":  # torch's HSDP asks for the dimensions' names
+        mesh = init_device_mesh(dist.device().type, (layout.dp_replicate, layout.shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(dist.device().type, (layout.dp,))
+    reshard = False if cfg.sharding_strategy == "SHARD_GRAD_OP" else None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+    for module in model.modules():
+        if isinstance(module, models.Block) and cfg.wrap != "none":
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    return Built(model, adamw(model.parameters(), cfg), no_sync=functools.partial(_without_gradient_sync, model))
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: Any) -> Iterator[None]:
+    """FSDP2's ``no_sync``: backward keeps the unsharded gradients (summed) instead of reduce-scattering them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

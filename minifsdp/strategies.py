@@ -11,14 +11,15 @@ strategy is adding one record and its builder. Each builder below takes
     ddp         bucketed all-reduce overlapped with backward    (minifsdp.ddp)
     zero1/zero2 optimizer-state / gradient sharding             (minifsdp.zero)
     fsdp        fully sharded data parallel, --sharding-strategy (minifsdp.fsdp)
+    fsdp2       per-parameter sharding, fully_shard             (minifsdp.fsdp.fully_shard)
     pp, pp+dp   pipeline stages (x data-parallel replicas)      (minifsdp.pipeline)
     tp          Megatron tensor parallel                        (minifsdp.tensor_parallel)
     fsdp+tp     FSDP over --dp replicas of a --tp split model   (minifsdp.mesh)
     3d          --pp stages x --tp split layers x --dp replicas (pipeline + tensor_parallel)
     torch-*     PyTorch's own, for comparison                   (minifsdp.torch_reference)
 
-Every group comes from the layout: HYBRID_SHARD's (``layout.shard_size``), the
-pipeline's and tensor parallel's (``DeviceMesh.from_layout``).
+Every group comes from the layout: HYBRID_SHARD's (``layout.shard_size``; fsdp2's
+2-D mesh, replicate x shard), the pipeline's and tensor parallel's (``DeviceMesh.from_layout``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from . import dist, estimate, models, planner, torch_reference
 from .layout import Layout
 from .mixed_precision import PRECISIONS, MixedPrecision, policy_for
-from .records import Built, Strategy, TrainConfig, adamw, apply_checkpointing, pipeline_autocast
+from .records import Built, Strategy, TrainConfig, adamw, apply_checkpointing, fully_shard_gpt, pipeline_autocast
 
 __all__ = ["STRATEGIES"]
 
@@ -124,6 +125,29 @@ def _data_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     paper_key = strategy if strategy in estimate.ZERO_PAPER_PSI else None
     paper = estimate.paper_comm_bytes(n_params, strategy) if paper_key else None
     return {"total": total, "by_op": by_op, "paper": paper, "paper_key": paper_key, "n_params": n_params}
+
+
+def _fsdp2(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # torch-fsdp2's recipe with minifsdp's fully_shard: each Block, then the root (records.fully_shard_gpt)
+    return fully_shard_gpt(model, cfg, layout)
+
+
+def _fully_shard_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """``estimate.fully_shard_comm_bytes`` for fsdp2's groups (each Block, then the root; --wrap none: the
+    root alone): padded per parameter, reshard_after_forward None (FULL_SHARD, HYBRID_SHARD) or False
+    (SHARD_GRAD_OP), --precision's dtype gathered and reduced, HYBRID_SHARD's shard group of
+    ``layout.shard_size`` ranks, --grad-accum's forwards; fp16 adds the sharded scaler's found-inf flag."""
+    model = models.build_model(cfg.model)
+    groups, root = estimate.fully_shard_group_shapes(model, (models.Block,) if cfg.wrap != "none" else ())
+    low = PRECISIONS[cfg.precision]
+    by_op = estimate.fully_shard_comm_bytes(
+        groups, layout.dp, low, root=root, shard_size=layout.shard_size, micro_batches=cfg.grad_accum,
+        reshard_after_forward=False if cfg.sharding_strategy == "SHARD_GRAD_OP" else None)
+    total = by_op.pop("total") + _found_inf(cfg)
+    if _found_inf(cfg):
+        by_op["all_reduce"] = by_op.get("all_reduce", 0) + _found_inf(cfg)
+    return {"total": total, "by_op": by_op, "paper": None, "paper_key": None,
+            "n_params": models.count_parameters(model)}
 
 
 # --------------------------------------------------------------------------
@@ -238,6 +262,7 @@ def _tensor_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 _FSDP_OPTIONS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_FSDP2_OPTIONS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")  # FSDP2 has no NO_SHARD (DDP is that)
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", _single, degrees=(), doc="one process, the whole batch"),
@@ -248,6 +273,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero2", _zero2, sharded_grads=True, expected_bytes=_data_parallel_bytes, doc="gradients sharded too"),
     Strategy("fsdp", _fsdp, sharding_options=_FSDP_OPTIONS, policy_cast=True, sharded_grads=True,
              expected_bytes=_data_parallel_bytes, doc="fully sharded data parallel"),
+    Strategy("fsdp2", _fsdp2, sharding_options=_FSDP2_OPTIONS, policy_cast=True, sharded_grads=True,
+             expected_bytes=_fully_shard_bytes, doc="per-parameter FSDP (fully_shard)"),
     Strategy("pp", _pipeline, degrees=("pp",), own_train_step=True, expected_bytes=_pipeline_bytes,
              doc="pipeline parallel"),
     Strategy("pp+dp", _pipeline, degrees=("pp", "dp"), own_train_step=True, doc="pipeline x data parallel"),

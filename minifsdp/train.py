@@ -4,14 +4,14 @@ Front layer. The loop is the same whatever the parallelism; a *strategy* is
 a record (``minifsdp.records.Strategy``) whose builder wraps the model and
 builds the optimizer. The records are the ``--strategy`` names:
 ``minifsdp.strategies`` lists minifsdp's (single, ddp-naive, ddp, zero1,
-zero2, fsdp, pp, pp+dp, tp, fsdp+tp, 3d) and ``minifsdp.torch_reference``
+zero2, fsdp, fsdp2, pp, pp+dp, tp, fsdp+tp, 3d) and ``minifsdp.torch_reference``
 PyTorch's own for comparison (torch-ddp, torch-zero1, torch-fsdp, torch-fsdp2,
 torch-pp, torch-tp, torch-fsdp+tp). Each record's ``layout(cfg)`` turns the
 flags into the run's degrees (``minifsdp.layout.Layout``: dp x pp x tp, HYBRID_SHARD's
 2 x (N/2), the pipeline's virtual stages), validated once.
 
 ``--sharding-strategy`` (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)
-applies to fsdp and torch-fsdp; torch-fsdp2 takes the first two.
+applies to fsdp and torch-fsdp; fsdp2 and torch-fsdp2 take all but NO_SHARD.
 
 ``--precision fp32|bf16|fp16``, ``--autocast`` and ``--checkpoint none|full|selective`` compose
 with the strategies as their records say (``validate`` names the few exceptions and the fix):
@@ -185,7 +185,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                                           world_size=data_world, micro_step=m, grad_accum=cfg.grad_accum)
                     x, y = x.to(device), y.to(device)
                     last = m == cfg.grad_accum - 1
-                    sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+                    sync = built.micro_batch(last)  # no gradient sync before the last micro-batch
                     if built.train_step is not None:  # a pipeline runs forward and backward itself
                         loss = built.train_step(x, y) / cfg.grad_accum
                     else:
@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--out", default="runs/train")
     p.add_argument("--no-memory", action="store_true", help="skip memory tracking (faster)")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   help="FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD (fsdp, torch-fsdp, torch-fsdp2)")
+                   help="FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD (fsdp*, torch-fsdp*; no NO_SHARD in FSDP2)")
     p.add_argument("--wrap", default="block", choices=["none", "block", "size"])
     p.add_argument("--prefetch", default="BACKWARD_PRE")
     p.add_argument("--cpu-offload", action="store_true")

@@ -23,7 +23,7 @@ def _run(tmp_path, strategy, precision="fp32", **kw):
 
 
 @pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("fsdp", "fp16"), ("ddp", "bf16"),
-                                                 ("zero2", "fp16"), ("torch-fsdp", "bf16")])
+                                                 ("zero2", "fp16"), ("torch-fsdp", "bf16"), ("fsdp2", "fp16")])
 def test_precision_tracks_fp32_single(tmp_path, fp32_single, strategy, precision):
     losses = _run(tmp_path, strategy, precision)
     torch.testing.assert_close(losses, fp32_single, atol=0, rtol=TOL[precision])

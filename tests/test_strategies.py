@@ -13,6 +13,7 @@ CLAIMS = {
     "zero1": (("dp",), "minifsdp", False, False, False, False),
     "zero2": (("dp",), "minifsdp", False, True, False, False),
     "fsdp": (("dp",), "minifsdp", True, True, False, False),
+    "fsdp2": (("dp",), "minifsdp", True, True, False, False),
     "pp": (("pp",), "minifsdp", False, False, True, False),
     "pp+dp": (("pp", "dp"), "minifsdp", False, False, True, False),
     "tp": (("tp",), "minifsdp", False, True, False, True),
@@ -31,6 +32,7 @@ CLAIMS = {
 CLI = [
     (["--strategy", "single"], 1), (["--strategy", "ddp", "--world-size", "4"], 4),
     (["--strategy", "fsdp", "--sharding-strategy", "HYBRID_SHARD", "--world-size", "4"], 4),
+    (["--strategy", "fsdp2", "--sharding-strategy", "HYBRID_SHARD", "--world-size", "4"], 4),
     (["--strategy", "pp", "--pp", "4"], 4), (["--strategy", "pp+dp", "--pp", "2", "--dp", "2"], 4),
     (["--strategy", "torch-pp", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"], 2),
     (["--strategy", "tp", "--tp", "2"], 2), (["--strategy", "fsdp+tp", "--dp", "2", "--tp", "2"], 4),
@@ -46,8 +48,8 @@ def test_every_record_claims_what_it_composes():
                record.own_train_step, record.checkpoints_split_blocks)
         assert got == CLAIMS[name], name
         assert record.takes_precision == (name != "ddp-naive"), name
-        assert (record.expected_bytes is not None) == (name in ("ddp-naive", "ddp", "zero1", "zero2", "fsdp", "pp",
-                                                                "tp", "fsdp+tp")), name
+        assert (record.expected_bytes is not None) == (name in ("ddp-naive", "ddp", "zero1", "zero2", "fsdp", "fsdp2",
+                                                                "pp", "tp", "fsdp+tp")), name
 
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))

@@ -31,6 +31,8 @@ def single(tmp_path_factory):
     ("fsdp", 2, 2, {}), ("fsdp", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}),
     ("fsdp", 2, 1, {"sharding_strategy": "SHARD_GRAD_OP", "wrap": "none"}), ("torch-fsdp", 2, 1, {}),
     ("torch-zero1", 2, 1, {}), ("torch-fsdp", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}), ("torch-fsdp2", 2, 1, {}),
+    ("fsdp2", 1, 1, {}), ("fsdp2", 2, 2, {}), ("fsdp2", 4, 1, {"sharding_strategy": "HYBRID_SHARD"}),
+    ("fsdp2", 2, 1, {"sharding_strategy": "SHARD_GRAD_OP", "wrap": "none"}),
 ])
 def test_parity_with_single(tmp_path, single, strategy, world_size, grad_accum, extra):
     m = _run(tmp_path, strategy=strategy, world_size=world_size, grad_accum=grad_accum, track_memory=False, **extra)

@@ -35,7 +35,7 @@ def test_single_is_bit_identical_and_peak_drops(tmp_path, single, mode):
 
 
 @pytest.mark.parametrize("strategy,mode", [("ddp", "full"), ("fsdp", "full"), ("fsdp", "selective"),
-                                           ("torch-fsdp", "full")])
+                                           ("torch-fsdp", "full"), ("fsdp2", "full")])
 def test_parity_with_single(tmp_path, single, strategy, mode):
     m = _run(tmp_path, strategy, 2, mode)
     assert m["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL), (strategy, mode, m["losses"])

@@ -73,7 +73,7 @@ def test_tp_bf16_checkpoint_recomputes_in_bf16(tmp_path, fp32_single):
     assert expected["total"] - bench.expected_bytes("gpt-tiny", "tp%bf16", 2)["total"] == 2 * 256 * 32 * 2 * 2
 
 
-@pytest.mark.parametrize("ours,theirs", [("ddp", "torch-ddp"), ("fsdp", "torch-fsdp2")])
+@pytest.mark.parametrize("ours,theirs", [("ddp", "torch-ddp"), ("fsdp", "torch-fsdp2"), ("fsdp2", "torch-fsdp2")])
 def test_torchs_bf16_tracks_fp32_single_and_equals_ours(tmp_path, fp32_single, ours, theirs):
     mine, torchs = _metrics(tmp_path, ours, "bf16"), _metrics(tmp_path, theirs, "bf16")
     torch.testing.assert_close(torchs["losses"], fp32_single, atol=0, rtol=TOL["bf16"])

@@ -40,6 +40,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
 from .. import comm, dist
 from .policy import warn_if_unnecessary_scaler
@@ -274,7 +275,9 @@ class ShardedGradScaler(GradScaler):
         self.process_group = process_group
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # fully_shard's gradients are DTensors: check and unscale each rank's own rows (its local shard)
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
     def _sync_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and dist.world_size(self.process_group) > 1:

@@ -27,6 +27,7 @@ __all__ = ["STRATEGIES", "count_collectives", "count_ddp_buckets", "hybrid_group
            "torch_ddp", "torch_zero1", "torch_fsdp", "torch_fsdp2", "torch_pipeline", "torch_tp", "torch_fsdp_tp"]
 
 _FSDP1_OPTIONS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_FSDP2_OPTIONS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")  # FSDP2 has no NO_SHARD (DDP is that)
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     # torch's bf16/fp16 compression comm hook reduces gradients in --precision; compute under autocast
@@ -34,7 +35,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("torch-zero1", torch_zero1, implementation="torch", doc="DDP + ZeroRedundancyOptimizer"),
     Strategy("torch-fsdp", torch_fsdp, implementation="torch", sharding_options=_FSDP1_OPTIONS, policy_cast=True,
              sharded_grads=True, doc="FullyShardedDataParallel (FSDP1)"),
-    Strategy("torch-fsdp2", torch_fsdp2, implementation="torch", sharding_options=("FULL_SHARD", "SHARD_GRAD_OP"),
+    Strategy("torch-fsdp2", torch_fsdp2, implementation="torch", sharding_options=_FSDP2_OPTIONS,
              policy_cast=True, sharded_grads=True, doc="fully_shard (FSDP2)"),
     Strategy("torch-pp", torch_pipeline, degrees=("pp",), implementation="torch", own_train_step=True,
              doc="torch.distributed.pipelining"),

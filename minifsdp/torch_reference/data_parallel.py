@@ -7,7 +7,7 @@ like minifsdp's (``minifsdp.strategies``) and returns a ``records.Built``:
     torch-zero1  DDP + torch.distributed.optim.ZeroRedundancyOptimizer vs  zero1
     torch-fsdp   torch.distributed.fsdp.FullyShardedDataParallel (FSDP1; on CPU
                  with ``device_id=cpu``), every ``ShardingStrategy``   vs  fsdp / zero2
-    torch-fsdp2  torch.distributed.fsdp.fully_shard (FSDP2)            vs  fsdp
+    torch-fsdp2  torch.distributed.fsdp.fully_shard (FSDP2)            vs  fsdp2, fsdp
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .. import dist, models
 from ..layout import Layout
-from ..records import Built, TrainConfig, adamw
+from ..records import Built, TrainConfig, adamw, fully_shard_gpt
 from .counting import count_ddp_buckets
 
 __all__ = ["torch_ddp", "torch_zero1", "torch_fsdp", "torch_fsdp2", "hybrid_groups", "mixed_precision_policy"]
@@ -113,23 +113,15 @@ def mixed_precision_policy(cfg: TrainConfig) -> Any:
 
 
 def torch_fsdp2(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
-    """torch's FSDP2 (``fully_shard``) over a 1-D mesh of the dp ranks: each Block, then the root.
+    """torch's FSDP2 (``fully_shard``): each Block, then the root, on a 1-D mesh of the dp ranks (HYBRID_SHARD:
+    2-D, replicate x shard). ``records.fully_shard_gpt`` is the recipe, shared with minifsdp's ``fsdp2``: the
+    two differ only by the import.
 
     FULL_SHARD = ``reshard_after_forward=None``: FSDP2's default, True for
     every unit but the root, which keeps its parameters for backward (as FSDP1
     and minifsdp do; an explicit True would regather the root in backward).
     SHARD_GRAD_OP = False. FSDP2 shards each parameter on dim 0 (padding each
     one), not one flat parameter per unit, so its padding differs from FSDP1's
-    and minifsdp's.
+    and minifsdp's ``fsdp``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(dist.device().type, (layout.dp,))
-    reshard = None if cfg.sharding_strategy == "FULL_SHARD" else False
-    mp = mixed_precision_policy(cfg)
-    for module in model.modules():
-        if isinstance(module, models.Block) and cfg.wrap != "none":
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    return Built(model, adamw(model.parameters(), cfg))
+    return fully_shard_gpt(model, cfg, layout, implementation="torch")
