@@ -6,16 +6,16 @@ applies ``ColwiseParallel`` / ``RowwiseParallel`` (DTensor, a ``DeviceMesh("cpu"
 columns, the two ``c_proj`` by rows, the token embedding by vocabulary rows
 and the head by vocabulary columns; the loss and its backward run under
 ``loss_parallel`` (``torch_tp_train_step``), so torch too never gathers the
-logits. Two adaptations, both numerically neutral: ``c_attn``'s rows are
+logits. One adaptation, numerically neutral: ``c_attn``'s rows are
 reordered so that torch's contiguous column split gives each rank whole heads ([q_r; k_r; v_r], what ``stride=3`` does in
-``layers.py``), and attention reads its local head count from the shapes.
+``layers.py``); ``models.causal_attention`` reads the local head count from the shapes, so the
+model's own attention forward runs unchanged on each rank's heads.
 The trainer's ``--strategy torch-tp``; bench pairs it with ``tp``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -24,11 +24,6 @@ import torch.nn.functional as F
 from .. import dist, models
 
 __all__ = ["torch_tensor_parallel_gpt", "torch_fsdp_tp_gpt", "torch_tp_train_step"]
-
-
-def _local_heads_forward(self: models.CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
-    qkv = self.c_attn(x)                                 # (B, T, 3 * d/tp) on this rank
-    return self.c_proj(models.causal_attention(qkv, self.n_embd // self.n_head, self.future_mask))
 
 
 def torch_tensor_parallel_gpt(model: models.GPT, tp: int, mesh: object | None = None) -> models.GPT:
@@ -47,7 +42,6 @@ def torch_tensor_parallel_gpt(model: models.GPT, tp: int, mesh: object | None = 
                     continue
                 pieces = [part.chunk(tp) for part in p.split(d)]          # q, k, v, each in tp slices
                 p.copy_(torch.cat([pieces[i][r] for r in range(tp) for i in range(3)]))
-            attn.forward = types.MethodType(_local_heads_forward, attn)
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.blocks)):
