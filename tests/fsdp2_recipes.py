@@ -183,35 +183,41 @@ def gpt_groups(n_layer: int = 2) -> dict[str, list[tuple[int, ...]]]:
 
 
 def expected_bytes(w: int, resharded: Callable[[str], bool], n_layer: int = 2, param_elem: int = 4,
-                   grad_elem: int = 4, syncs: int = 1, forwards: int = 1) -> dict[str, int]:
+                   grad_elem: int = 4, syncs: int = 1, forwards: int = 1, backwards: int | None = None
+                   ) -> dict[str, int]:
     """Bytes one rank moves per step, per collective, from the parameter shapes alone.
 
-    all-gather: every group once per forward, and again in backward for a group resharded after
-    forward; reduce-scatter: every group's gradients once per synchronised backward. At 1 rank a group
-    has nobody to exchange with: no collective at all (torch issues none)."""
+    all-gather: every group once per forward that finds it sharded (``forwards``), and again in each
+    backward (``backwards``, default ``forwards``) for a group resharded after forward; reduce-scatter:
+    every group's gradients once per synchronised backward (``syncs``). At 1 rank a group has nobody
+    to exchange with: no collective at all (torch issues none)."""
     if w == 1:
         return {}
+    backwards = forwards if backwards is None else backwards
     groups = gpt_groups(n_layer)
-    ag = sum(group_bytes(s, w, param_elem) * (forwards + (forwards if resharded(g) else 0))
+    ag = sum(group_bytes(s, w, param_elem) * (forwards + (backwards if resharded(g) else 0))
              for g, s in groups.items())
     rs = sum(group_bytes(s, w, grad_elem) for s in groups.values()) * syncs
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
 # ----------------------------------------------------------------------------- training
-def _gpt(n_layer: int = 2) -> torch.nn.Module:
+def tiny_gpt(n_layer: int = 2) -> torch.nn.Module:
     from minifsdp import dist
     from minifsdp.models import build_model
 
     # No biases: a GPT's key bias gets an exactly-zero gradient (softmax does not see it), which AdamW
     # turns into steps of +-lr driven by rounding noise: numbers no two runs share.
-    return build_model("gpt-tiny", seed=0, n_layer=n_layer, bias=False).to(dist.device() if tdist.is_initialized() else "cpu")
+    model = build_model("gpt-tiny", seed=0, n_layer=n_layer, bias=False)
+    return model.to(dist.device() if tdist.is_initialized() else "cpu")
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0,
-          micro: int = 1, no_sync: bool = False, on_step: Callable[[int], Any] | None = None) -> dict[str, Any]:
+          micro: int = 1, no_sync: bool = False, keep_unsharded: bool = False,
+          on_step: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps from step ``first`` on this rank's rows; ``micro`` micro-batches per
-    step (each loss divided by ``micro``), with ``no_sync`` gradients synchronised only on the last.
+    step (each loss divided by ``micro``), with ``no_sync`` gradients synchronised only on the last
+    (and with ``keep_unsharded`` parameters not resharded after the backwards before it either).
     Returns losses (global means), the last step's full gradients and the full parameters after."""
     from minifsdp import trace
     from minifsdp.models import lm_loss
@@ -224,6 +230,8 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, first:
             for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
                 if no_sync:
                     model.set_requires_gradient_sync(i == micro - 1)
+                if keep_unsharded:
+                    model.set_reshard_after_backward(i == micro - 1)
                 loss = lm_loss(model(xm).float(), ym) / micro   # the loss in fp32 whatever the param dtype
                 loss.backward()
                 total = total + loss.detach()
@@ -244,7 +252,7 @@ def plain_run(steps: int, n_layer: int = 2, bf16: bool = False) -> dict[str, Any
     ``bf16`` emulates MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) in one process:
     forward and backward on a bf16 copy of the fp32 parameters, gradients cast to fp32, AdamW on the
     fp32 parameters."""
-    master = _gpt(n_layer)
+    master = tiny_gpt(n_layer)
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
     if not bf16:
         return train(master, opt, steps)
@@ -253,7 +261,7 @@ def plain_run(steps: int, n_layer: int = 2, bf16: bool = False) -> dict[str, Any
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
-        low = _gpt(n_layer)
+        low = tiny_gpt(n_layer)
         with torch.no_grad():
             for p16, p32 in zip(low.parameters(), master.parameters()):
                 p16.data = p32.detach().to(torch.bfloat16)
@@ -272,7 +280,7 @@ def plain_run(steps: int, n_layer: int = 2, bf16: bool = False) -> dict[str, Any
 # ----------------------------------------------------------------------------- the recipes
 def per_block_then_root(fs: Any, steps: int = 6) -> dict[str, Any]:
     """(a) fully_shard on each transformer block, then on the root; AdamW."""
-    model = _gpt()
+    model = tiny_gpt()
     mesh = mesh_1d()
     for block in model.blocks:
         fs.fully_shard(block, mesh=mesh)
@@ -283,7 +291,7 @@ def per_block_then_root(fs: Any, steps: int = 6) -> dict[str, Any]:
 
 def bf16_mixed_precision(fs: Any, steps: int = 3) -> dict[str, Any]:
     """(b) MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on every call."""
-    model = _gpt()
+    model = tiny_gpt()
     mesh = mesh_1d()
     mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
@@ -299,7 +307,7 @@ PREFETCH_LAYERS = 4
 def explicit_prefetch(fs: Any, steps: int = 3) -> dict[str, Any]:
     """(c) reshard_after_forward=True everywhere, each block prefetching the next two in forward and the
     previous two in backward, and the root unsharded explicitly ahead of each forward."""
-    model = _gpt(PREFETCH_LAYERS)
+    model = tiny_gpt(PREFETCH_LAYERS)
     mesh = mesh_1d()
     blocks = list(model.blocks)
     for block in blocks:
@@ -320,7 +328,7 @@ def _unsharded_first(model: Any) -> Iterator[None]:
 
 def accumulate_without_sync(fs: Any, steps: int = 3) -> dict[str, Any]:
     """(d) gradient accumulation: set_requires_gradient_sync(False) on every micro-batch but the last."""
-    model = _gpt()
+    model = tiny_gpt()
     mesh = mesh_1d()
     for block in model.blocks:
         fs.fully_shard(block, mesh=mesh)
@@ -330,7 +338,7 @@ def accumulate_without_sync(fs: Any, steps: int = 3) -> dict[str, Any]:
 
 
 def _sharded_gpt_and_adamw(fs: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = _gpt()
+    model = tiny_gpt()
     mesh = mesh_1d()
     for block in model.blocks:
         fs.fully_shard(block, mesh=mesh)

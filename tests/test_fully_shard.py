@@ -16,6 +16,7 @@ on the last. The bytes each rank moves per step equal the per-parameter formula
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import traceback
@@ -24,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from fsdp2_recipes import (BF16_GRAD_RTOL, BF16_LOSS_RTOL, MICRO, RTOL, _gpt, assert_close, assert_equal,
-                           counted, expected_bytes, gpt_groups, mesh_1d, namespace, padded_shard_numel, plain_run,
+from fsdp2_recipes import (BF16_GRAD_RTOL, BF16_LOSS_RTOL, LR, MICRO, RTOL, assert_close, assert_equal, counted,
+                           expected_bytes, gpt_groups, mesh_1d, namespace, padded_shard_numel, plain_run, tiny_gpt,
                            train)
 from minifsdp import launch
 
@@ -36,26 +37,22 @@ ODD = (5, 3)   # an extra Linear(3, 5): weight [5, 3] and bias [5] split unevenl
 
 
 # ----------------------------------------------------------------------------- the workers
-def _sharded_run(fs, mesh, memory=False, micro=1, no_sync=False, **kw):
+def _sharded_run(fs, mesh, memory=False, micro=1, no_sync=False, keep_unsharded=False, **kw):
     """gpt-tiny, fully_shard(each block, **kw) then fully_shard(root, **kw), 3 AdamW steps; the
     results (fsdp2_recipes.train), the bytes per step per collective, the (op, group size) pairs seen,
     and with ``memory`` the peak bytes minifsdp.memory's tracker saw during training."""
     from minifsdp.memory import MemoryTracker
 
-    model = _gpt()
+    model = tiny_gpt()
     for block in model.blocks:
         fs.fully_shard(block, mesh=mesh, **kw)
     fs.fully_shard(model, mesh=mesh, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tracker = MemoryTracker() if memory else None
     if tracker is not None:
         tracker.track_model(model)
-    with counted(fs) as tracer:
-        if tracker is not None:
-            with tracker:
-                out = train(model, opt, STEPS, micro=micro, no_sync=no_sync)
-        else:
-            out = train(model, opt, STEPS, micro=micro, no_sync=no_sync)
+    with counted(fs) as tracer, tracker if tracker is not None else contextlib.nullcontext():
+        out = train(model, opt, STEPS, micro=micro, no_sync=no_sync, keep_unsharded=keep_unsharded)
     steps = tracer.trace.bytes_by_op(within="step")
     out["bytes_per_step"] = {op: b / STEPS for op, b in steps.items()}
     windows = [(s.start, s.end) for s in tracer.trace.compute_spans() if s.name == "step"]
@@ -75,8 +72,8 @@ def _layout(fs, mesh):
 
     from minifsdp.models import Block, GPT
 
-    reference = dict(_gpt().named_parameters())
-    model = _gpt()
+    reference = dict(tiny_gpt().named_parameters())
+    model = tiny_gpt()
     for block in model.blocks:
         fs.fully_shard(block, mesh=mesh)
     fs.fully_shard(model, mesh=mesh)
@@ -101,6 +98,40 @@ def _layout(fs, mesh):
                            isinstance(model.blocks[0], Block), "head_fsdp": isinstance(model.head, fs.FSDPModule)}}
 
 
+def _methods(fs, mesh, divide_factor=None):
+    """FSDPModule's methods on one model: unshard (async: an UnshardHandle) and reshard of the root's
+    group, then one step after set_reshard_after_forward(False) (and, given ``divide_factor``,
+    set_gradient_divide_factor on every FSDP module)."""
+    from torch.distributed.tensor import DTensor
+
+    model = tiny_gpt()
+    for block in model.blocks:
+        fs.fully_shard(block, mesh=mesh)
+    fs.fully_shard(model, mesh=mesh)
+
+    def registered():   # what the modules hold now: (a DTensor?, shape) of a root and a block parameter
+        return [(isinstance(p, DTensor), tuple(p.shape))
+                for p in (model.tok_emb.weight, model.blocks[0].mlp.c_fc.weight)]
+
+    out = {"sharded": registered()}
+    handle = model.unshard(async_op=True)
+    out["handle"] = isinstance(handle, fs.UnshardHandle)
+    handle.wait()
+    out["unsharded"] = registered()
+    model.reshard()
+    out["resharded"] = registered()
+    model.set_reshard_after_forward(False)
+    if divide_factor is not None:
+        for module in model.modules():
+            if isinstance(module, fs.FSDPModule):
+                module.set_gradient_divide_factor(divide_factor)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with counted(fs) as tracer:
+        out.update(train(model, opt, 1))
+    out["bytes_per_step"] = tracer.trace.bytes_by_op(within="step")
+    return out
+
+
 def _errors(fs, mesh):
     """What each misuse raises: (exception class names, message), or None if nothing was raised."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -117,7 +148,7 @@ def _errors(fs, mesh):
     twice = torch.nn.Linear(4, 4)
     fs.fully_shard(twice, mesh=mesh)
     mesh_3d = init_device_mesh(dist.device().type, (1, 2, 2), mesh_dim_names=("a", "b", "c"))
-    model = _gpt()
+    model = tiny_gpt()
     fs.fully_shard(model, mesh=mesh)
     return {
         "twice": outcome(lambda: fs.fully_shard(twice, mesh=mesh)),
@@ -152,7 +183,12 @@ def _world_suite(impl):
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     out["accumulate_sync"] = _guarded(_sharded_run, fs, mesh, memory=True, micro=MICRO)
     out["accumulate_no_sync"] = _guarded(_sharded_run, fs, mesh, memory=True, micro=MICRO, no_sync=True)
+    out["accumulate_keep_unsharded"] = _guarded(_sharded_run, fs, mesh, micro=MICRO, no_sync=True,
+                                                keep_unsharded=True)
     out["layout"] = _guarded(_layout, fs, mesh)
+    if n > 1:
+        out["methods"] = _guarded(_methods, fs, mesh)
+        out["divide_factor"] = _guarded(_methods, fs, mesh, divide_factor=1.0)
     if n == 4:
         hsdp = init_device_mesh(dist.device().type, (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _guarded(_sharded_run, fs, hsdp)
@@ -269,8 +305,45 @@ def test_gradient_accumulation_both_ways(impl, n, reference):
     _parity(no_sync, reference["fp32"], RTOL, f"{impl} at {n} ranks, sync on the last micro-batch")
     assert sync["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=MICRO, syncs=MICRO)
     assert no_sync["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=MICRO, syncs=1)
-    assert no_sync["bytes_per_step"]["reduce_scatter"] * MICRO == sync["bytes_per_step"]["reduce_scatter"]
-    assert no_sync["peak"] > sync["peak"], (no_sync["peak"], sync["peak"])
+    if n > 1:
+        assert no_sync["bytes_per_step"]["reduce_scatter"] * MICRO == sync["bytes_per_step"]["reduce_scatter"]
+        assert no_sync["peak"] > sync["peak"], (no_sync["peak"], sync["peak"])
+    else:   # one rank: a shard is the whole parameter, an unsharded gradient costs nothing more
+        assert no_sync["peak"] == sync["peak"], (no_sync["peak"], sync["peak"])
+    # torch's recipe for less traffic: set_reshard_after_backward(False) too, until the last micro-batch:
+    # the next forward finds every group unsharded (one forward all-gather per step, not per micro-batch)
+    keep = _result(impl, n, "accumulate_keep_unsharded")
+    _parity(keep, reference["fp32"], RTOL, f"{impl} at {n} ranks, no sync and no reshard until the last")
+    assert keep["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=1, backwards=MICRO, syncs=1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unshard_reshard_and_set_reshard_after_forward(impl, n, reference):
+    """unshard(async_op=True) returns an UnshardHandle and registers the root group's full parameters
+    (plain tensors; the blocks' stay sharded: not recursive); reshard() puts the DTensors back;
+    after set_reshard_after_forward(False) (recursive) backward gathers nothing."""
+    got = _result(impl, n, "methods")
+    sharded = [(True, (256, 32)), (True, (128, 32))]
+    assert got["sharded"] == sharded and got["resharded"] == sharded, (got["sharded"], got["resharded"])
+    assert got["handle"] is True
+    assert got["unsharded"] == [(False, (256, 32)), (True, (128, 32))], got["unsharded"]
+    assert_close(got["losses"], reference["fp32"]["losses"][:1], RTOL, f"{impl} at {n} ranks: loss")
+    assert_close(got["grads"], reference["fp32"]["first_grads"], RTOL, f"{impl} at {n} ranks: gradients")
+    assert got["bytes_per_step"] == expected_bytes(n, _resharded(False))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_set_gradient_divide_factor(impl, n, reference):
+    """set_gradient_divide_factor(1.0): gradients summed over the ranks, not averaged: n times the mean."""
+    outs = [rank_out["divide_factor"] for rank_out in _suite(impl, n)]
+    from minifsdp import dist
+    if impl == "torch" and dist.default_backend() == "gloo" and "PREMUL_SUM" in outs[0].get("error", ""):
+        pytest.skip("torch's set_gradient_divide_factor reduces with ReduceOp.PREMUL_SUM, which gloo lacks")
+    got = _result(impl, n, "divide_factor")
+    assert_close({k: v / n for k, v in got["grads"].items()}, reference["fp32"]["first_grads"], RTOL,
+                 f"{impl} at {n} ranks: gradients / n")
 
 
 @pytest.mark.parametrize("n", WORLDS)
