@@ -14,6 +14,8 @@ What each collective does, with 2 ranks (rank 0 holds ``a``, rank 1 ``b``):
                                             ->  r0 [6, 8]  r1 [10, 12]
                                                (sum, then rank i keeps chunk i)
     broadcast       r0 [1, 2]  r1 [0, 0]   ->  both [1, 2]          (from src=0)
+    all_to_all_single r0 [1, 2]  r1 [3, 4] ->  r0 [1, 3]  r1 [2, 4] (chunk j goes to rank j;
+                                               split sizes make the chunks uneven: expert parallel)
 
     all_reduce == reduce_scatter followed by all_gather: the identity that
     ZeRO and FSDP are built on.
@@ -22,11 +24,13 @@ Bytes, two conventions (both recorded on every span):
 
 * ``bytes`` — the *volume* of the collective in the ZeRO paper's units: an
   all-gather or reduce-scatter of an S-byte tensor moves S, an all-reduce 2S,
-  a broadcast or send S. DDP costs 2·4Ψ bytes per step for Ψ fp32 parameters, ZeRO-3 3·4Ψ.
+  a broadcast or send S, an all-to-all S (the input a rank hands over, its own chunk included).
+  DDP costs 2·4Ψ bytes per step for Ψ fp32 parameters, ZeRO-3 3·4Ψ.
 * ``ring_bytes`` — what one rank actually sends with a ring algorithm:
   ``(N-1)/N`` of the above (a rank never sends itself its own chunk). This is
   the number to divide by time for a link's bandwidth ("bus bandwidth" in
-  nccl-tests).
+  nccl-tests). An all-to-all's is exact, uneven splits too: its input less the
+  chunk the rank keeps for itself.
 
 Uneven inputs are rejected with an error that names the fix (pad so every
 rank holds the same number of elements — exactly what FSDP's flat parameters
@@ -60,7 +64,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from . import dist, trace
 
 __all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
-           "reduce_scatter", "broadcast", "reduce", "send", "recv", "isend", "irecv", "barrier",
+           "reduce_scatter", "broadcast", "reduce", "all_to_all_single", "send", "recv", "isend", "irecv", "barrier",
            "Handle", "ReduceOp", "annotate", "annotations", "collective_bytes", "pad_to_multiple"]
 
 CHECK_ACROSS_RANKS = os.environ.get("MINIFSDP_CHECK_COMM", "0") == "1"
@@ -161,9 +165,12 @@ class Handle:
 
 
 def _record(op: str, work: Any, start: float, nbytes: int, group: ProcessGroup | None,
-            async_op: bool, tensor: torch.Tensor, **extra: Any) -> Handle | None:
+            async_op: bool, tensor: torch.Tensor, ring_bytes: int | None = None, **extra: Any) -> Handle | None:
     size = dist.world_size(group)
-    args = dict(annotations(), **collective_bytes(op, nbytes, size), group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
+    counts = collective_bytes(op, nbytes, size)
+    if ring_bytes is not None:  # counted by the caller, where (N-1)/N is not exact (uneven all-to-all)
+        counts["ring_bytes"] = ring_bytes
+    args = dict(annotations(), **counts, group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
                 numel=tensor.numel(), async_op=async_op, **extra)
     handle = Handle(work, op, start, args, trace.active_tracer(), tensor.device)
     if async_op:
@@ -259,6 +266,34 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM
     work = tdist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
     return _record("reduce", work, start, tensor.numel() * tensor.element_size(), group, async_op,
                    tensor, dst=dst)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Handle | None:
+    """Chunk j of ``input`` (along dim 0) goes to rank j; ``output`` holds the chunks received, in rank order.
+
+    rank 0 [1, 2], rank 1 [3, 4]  ->  rank 0 [1, 3], rank 1 [2, 4]. Without split sizes the chunks are equal;
+    ``input_split_sizes[j]`` rows go to rank j and ``output_split_sizes[j]`` rows come from rank j (so each
+    rank must first learn what its peers send it: expert parallel exchanges counts first). Bytes: the input
+    (``bytes``) and the input less the chunk this rank keeps (``ring_bytes``: what leaves the rank).
+    """
+    dist.require_initialized("comm.all_to_all_single")
+    n, me = dist.world_size(group), dist.rank(group)
+    for name, t, sizes in (("input", input, input_split_sizes), ("output", output, output_split_sizes)):
+        if sizes is None and (t.dim() == 0 or t.shape[0] % n):
+            raise ValueError(f"all_to_all_single: dim 0 of the {name} {tuple(t.shape)} is not divisible by the group "
+                             f"size {n}; pad it or pass {name}_split_sizes")
+        if sizes is not None and (len(sizes) != n or sum(sizes) != t.shape[0]):
+            raise ValueError(f"all_to_all_single: {name}_split_sizes {list(sizes)} must be {n} sizes summing to "
+                             f"dim 0 of the {name} ({t.shape[0]})")
+    row = input[0].numel() * input.element_size() if input.shape[0] else 0
+    own = (input_split_sizes[me] if input_split_sizes is not None else input.shape[0] // n) * row
+    start = time.perf_counter()
+    work = tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                   async_op=async_op)
+    nbytes = input.numel() * input.element_size()
+    return _record("all_to_all", work, start, nbytes, group, async_op, input, ring_bytes=nbytes - own)
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:

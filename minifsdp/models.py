@@ -26,6 +26,16 @@ token embedding V*d = 8192, position embedding 32*d = 1024, each block
 12*d^2 + 13*d = 12704 (two LayerNorms 4d, qkv 3d^2+3d, attention projection
 d^2+d, MLP 4d^2+4d and 4d^2+d), final LayerNorm 2d = 64, head V*d = 8192
 (no bias, like GPT-2): 8192 + 1024 + 2*12704 + 64 + 8192 = 42880.
+
+Mixture of experts (``n_expert > 0``; presets ``gpt-moe-tiny``, ``gpt-moe-small``):
+every ``moe_every``-th block's MLP becomes a ``MoE`` layer, a router (Linear
+d -> E, no bias) sending each token to ``top_k`` of ``n_expert`` FeedForwards.
+``gpt-moe-tiny`` (gpt-tiny with E=8, k=2, block 1 of 0-1 a MoE block): the MoE
+block holds 4d + 4d^2+4d (attention) + E*d (router) + E*(8d^2+5d) = 128 + 4224 +
+256 + 8*8352 = 71424, so 8192 + 1024 + 12704 + 71424 + 64 + 8192 = 101600.
+The load-balancing loss is ``model.aux_loss()``: train on
+``lm_loss(model(x), y) + model.aux_loss()``. ``minifsdp.expert_parallel``
+spreads the experts over ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +55,11 @@ __all__ = [
     "CausalSelfAttention",
     "causal_attention",
     "FeedForward",
+    "MoE",
+    "top_k_routing",
+    "load_balancing_loss",
+    "expert_capacity",
+    "capacity_mask",
     "Block",
     "GPT",
     "ToyMLP",
@@ -68,6 +84,12 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
     tie_embeddings: bool = False  # head.weight is tok_emb.weight (GPT-2 ties)
+    # Mixture of experts (class MoE). n_expert=0: every block has one dense MLP, as GPT-2.
+    n_expert: int = 0  # E experts in each MoE block
+    top_k: int = 2  # experts per token (k)
+    moe_every: int = 2  # blocks moe_every-1, 2*moe_every-1, ... are MoE (2: every other block, GShard/Switch)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer's alpha)
+    capacity_factor: float | None = None  # None: dropless; else expert_capacity() per expert per sequence
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -76,6 +98,17 @@ class GPTConfig:
             )
         if min(self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab_size) < 1:
             raise ValueError(f"every size in {self} must be positive")
+        if self.n_expert < 0 or self.moe_every < 1:
+            raise ValueError(f"n_expert={self.n_expert} must be >= 0 and moe_every={self.moe_every} >= 1")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_expert={self.n_expert} (a token picks k "
+                             f"distinct experts); choose top_k <= {self.n_expert} or more experts")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0, or None for dropless routing")
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` has a ``MoE`` layer instead of a FeedForward (the last of every ``moe_every``)."""
+        return self.n_expert > 0 and (i + 1) % self.moe_every == 0
 
 
 class CausalSelfAttention(nn.Module):
@@ -158,19 +191,149 @@ class FeedForward(nn.Module):
         return y
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+def top_k_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(probs, expert_idx, weights)``: the router's softmax, each token's k experts and their mixing weights.
 
-    The unit that wrap policies (``transformer_auto_wrap_policy``) and
-    activation checkpointing target.
+    ``logits`` is ``(..., E)``; ``expert_idx`` and ``weights`` are ``(..., k)``, best expert first. With
+    k > 1 the k probabilities are renormalised to sum to 1 (Mixtral; GShard's top-2); with k = 1 the weight
+    is the raw probability (Switch Transformer: a renormalised single weight is always 1, and the router
+    would then learn from the auxiliary loss alone).
+
+    >>> probs, idx, w = top_k_routing(torch.tensor([0.1, 0.5, 0.3, 0.1]).log(), 2)
+    >>> idx.tolist(), [round(v, 3) for v in w.tolist()]     # 0.5 / 0.8 and 0.3 / 0.8
+    ([1, 2], [0.625, 0.375])
+    """
+    probs = F.softmax(logits, dim=-1)
+    weights, expert_idx = probs.topk(k, dim=-1)
+    if k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, expert_idx, weights
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+    """Switch / GShard load-balancing loss, one group per sequence, averaged over sequences: 1.0 when balanced.
+
+    ``probs`` ``(..., T, E)``, ``expert_idx`` ``(..., T, k)``. For each sequence (GShard's *group*, Lepikhin
+    et al. 2020, Algorithm 1) of T tokens: ``f_e`` = the fraction of its T*k assignments that went to
+    expert e (counted: no gradient), ``P_e`` = the mean router probability of e, loss = ``E * sum_e f_e P_e``
+    (Fedus et al. 2021, eq. 4; Megatron divides the counts by k as here). The gradient reaches the router
+    through P and lowers the probability of the experts that get more than their share. Per sequence, not
+    per batch, so any split of a batch into whole sequences (data / expert parallel ranks, micro-batches)
+    averages to the same number.
+
+    Worked example, E = 2, k = 1, one sequence of two tokens with probs [0.8, 0.2] and [0.7, 0.3]: both go
+    to expert 0, f = [1, 0], P = [0.75, 0.25], loss = 2 * 0.75 = 1.5; with [0.8, 0.2] and [0.4, 0.6]:
+    f = [0.5, 0.5], P = [0.6, 0.4], loss = 2 * (0.3 + 0.2) = 1.0.
+    """
+    E, T, k = probs.shape[-1], probs.shape[-2], expert_idx.shape[-1]
+    f = F.one_hot(expert_idx, E).sum(dim=(-3, -2)).to(probs.dtype) / (T * k)   # (..., E)
+    P = probs.mean(dim=-2)                                                    # (..., E)
+    return E * (f * P).sum(dim=-1).mean()
+
+
+def expert_capacity(tokens: int, k: int, n_expert: int, capacity_factor: float) -> int:
+    """Most assignments an expert takes from one sequence of ``tokens``: ``ceil(cf * tokens * k / E)``.
+
+    The factor is read as written (``Fraction(str(cf))``: in floats 1.1 * 10 is 11.000000000000002).
+
+    >>> expert_capacity(16, 2, 8, 1.0), expert_capacity(16, 2, 8, 1.25), expert_capacity(10, 1, 1, 1.1)
+    (4, 5, 11)
+    """
+    return math.ceil(Fraction(str(capacity_factor)) * tokens * k / n_expert)
+
+
+def capacity_mask(expert_idx: torch.Tensor, n_expert: int, capacity: int) -> torch.Tensor:
+    """Which assignments fit: each expert keeps its first ``capacity`` of every sequence, in position order.
+
+    ``expert_idx`` ``(..., T, k)`` -> ``keep`` of the same shape. Order: token t before token t+1, and a
+    token's slots best first (Megatron-LM's ``moe_token_drop_policy="position"``). A dropped assignment
+    contributes nothing; the block's residual carries its token on. Deterministic: it depends on the
+    routing only. Worked example, E = 2, k = 1, capacity 2, experts [0, 0, 1, 0] -> keep [T, T, T, F]
+    (expert 0's third token is dropped).
+    """
+    *lead, T, k = expert_idx.shape
+    onehot = F.one_hot(expert_idx.reshape(*lead, T * k), n_expert)      # (..., T*k, E)
+    place = (onehot.cumsum(dim=-2) * onehot).sum(dim=-1)                # 1-based place in its expert's queue
+    return (place <= capacity).view(*lead, T, k)
+
+
+class MoE(nn.Module):
+    """Mixture of experts in place of the MLP: each token goes to ``top_k`` of ``n_expert`` FeedForwards.
+
+        x (B, T, d) -> router Linear(d, E) -> softmax -> top-k experts, weights  (top_k_routing)
+        y_t = sum over t's kept assignments (e, w) of  w * expert_e(x_t)
+
+    Worked example, E = 4, k = 2, two tokens with router probabilities [0.1, 0.5, 0.3, 0.1] and
+    [0.4, 0.1, 0.1, 0.4]: token 0 goes to experts 1 and 2 with weights 0.625 and 0.375, token 1 to 0 and 3
+    with 0.5 each; so expert 0 sees token 1, expert 1 token 0, expert 2 token 0, expert 3 token 1, and
+    ``y_0 = 0.625 expert_1(x_0) + 0.375 expert_2(x_0)``. Each expert runs once, on its tokens only:
+    2 of the 4 experts' FLOPs per token, 4 experts' parameters.
+
+    ``capacity_factor`` (None: dropless) caps each expert at ``expert_capacity`` assignments per sequence
+    (``capacity_mask``). After each forward the layer holds ``aux_loss`` (``aux_loss_coef`` times
+    ``load_balancing_loss``; ``GPT.aux_loss()`` sums them), ``tokens_per_expert`` (E,) (assignments the
+    router asked for) and ``dropped_per_expert`` (E,) (those over capacity).
+
+    ``apply_experts`` is the one step ``expert_parallel.ExpertParallelMoE`` replaces (experts on other
+    ranks); the routing above stays replicated there.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        self.n_expert, self.top_k = config.n_expert, config.top_k
+        self.aux_loss_coef, self.capacity_factor = config.aux_loss_coef, config.capacity_factor
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts: nn.Module = nn.ModuleList(FeedForward(config) for _ in range(config.n_expert))
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        probs, expert_idx, weights = top_k_routing(self.router(x), self.top_k)   # (B,T,E), (B,T,k), (B,T,k)
+        self.aux_loss = self.aux_loss_coef * load_balancing_loss(probs, expert_idx)
+        if self.capacity_factor is None:
+            keep = torch.ones_like(expert_idx, dtype=torch.bool)
+        else:
+            capacity = expert_capacity(T, self.top_k, self.n_expert, self.capacity_factor)
+            keep = capacity_mask(expert_idx, self.n_expert, capacity)
+        self.tokens_per_expert = torch.bincount(expert_idx.reshape(-1), minlength=self.n_expert)
+        self.dropped_per_expert = torch.bincount(expert_idx[~keep], minlength=self.n_expert)
+        # The kept assignments as three flat lists, token by token (a token's slots best first).
+        token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
+        keep = keep.reshape(-1)
+        y = self.apply_experts(x.reshape(B * T, d), token[keep], expert_idx.reshape(-1)[keep],
+                               weights.reshape(-1)[keep])
+        return y.view(B, T, d)
+
+    def apply_experts(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+        """``out[t] = sum of weight[i] * experts[expert[i]](x[t])`` over the assignments i with ``token[i] == t``.
+
+        ``x`` ``(N, d)``; ``token``, ``expert``, ``weight`` ``(M,)``, one entry per kept assignment. The
+        readable loop: each expert gathers its tokens, runs once on them, and adds its weighted output back.
+        """
+        out = x.new_zeros(x.shape)
+        for e, ffn in enumerate(self.experts):
+            mine = expert == e                  # this expert's assignments, in token order
+            rows = token[mine]
+            out = out.index_add(0, rows, (ffn(x[rows]) * weight[mine, None]).to(out.dtype))
+        return out
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+
+    The unit that wrap policies (``transformer_auto_wrap_policy``) and
+    activation checkpointing target. ``moe=True``: ``mlp`` is a ``MoE`` layer.
+    """
+
+    def __init__(self, config: GPTConfig, moe: bool = False) -> None:
+        super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = FeedForward(config)
+        self.mlp: nn.Module = MoE(config) if moe else FeedForward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -186,7 +349,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i)) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # No bias on the vocabulary projection, as in GPT-2; tying then shares
         # exactly one tensor between the first and the last layer.
@@ -227,9 +390,16 @@ class GPT(nn.Module):
             h = block(h)
         return self.unembed(h)
 
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing losses of the last forward, summed over MoE layers (each already times
+        ``aux_loss_coef``); 0 for a dense GPT. Train on ``lm_loss(model(x), y) + model.aux_loss()``."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else self.head.weight.new_zeros(())
+
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of every sequence."""
+    """Mean next-token cross-entropy over every position of every sequence (a MoE GPT adds
+    ``model.aux_loss()``)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -277,6 +447,9 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "gpt-mini": GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=64),
     # Benchmarks and demos (~10.9M params).
     "gpt-small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
+    # Mixture of experts: the two above with every other MLP replaced by 8 experts, top-2 (Mixtral's k).
+    "gpt-moe-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, n_expert=8, top_k=2),
+    "gpt-moe-small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128, n_expert=8, top_k=2),
 }
 
 MLP_PRESETS: dict[str, dict[str, Any]] = {
