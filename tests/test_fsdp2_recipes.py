@@ -2,9 +2,9 @@
 
 Each recipe is user code taking the fully_shard namespace; it runs on 2 ranks under
 ``torch.distributed.fsdp`` and under ``minifsdp.fsdp`` (one launch each, every recipe inside).
-Both must match one process on the whole global batch (fp32: relative 1e-5; bf16: one bf16 ulp on
-losses, see fsdp2_recipes.BF16_*), and minifsdp's must match torch's: losses and every full
-gradient (``p.grad.full_tensor()``) and parameter.
+Both must match one process on the whole global batch (fp32: relative 1e-5; bf16: fsdp2_recipes.BF16_TOL
+says which tolerance and why), and minifsdp's must match torch's: losses, every full gradient
+(``p.grad.full_tensor()``) of the first and last step, every parameter after, and the bytes per step.
 
 The checkpoint recipe trains 3 steps at 2 ranks and saves (torch.distributed.checkpoint of
 get_model_state_dict / get_optimizer_state_dict); a 4-rank run loads it (DCP reshards on read),
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2_recipes import (BF16_GRAD_RTOL, BF16_LOSS_RTOL, PREFETCH_LAYERS, RECIPES, RTOL, assert_close,
-                           assert_equal, checkpoint_load_and_continue, checkpoint_train_and_save, counted,
+from fsdp2_recipes import (BF16_TOL, FP32_TOL, PREFETCH_LAYERS, RECIPES, RTOL, assert_close, assert_equal,
+                           assert_parity, checkpoint_load_and_continue, checkpoint_train_and_save, counted,
                            expected_bytes, namespace, plain_run)
 from minifsdp import launch
 
@@ -80,8 +80,8 @@ def reference():
             "bf16_mixed_precision": plain_run(3, bf16=True)}
 
 
-def _tolerances(recipe: str) -> tuple[float, float]:
-    return (BF16_LOSS_RTOL, BF16_GRAD_RTOL) if recipe == "bf16_mixed_precision" else (RTOL, RTOL)
+def _tolerances(recipe: str) -> dict[str, float]:
+    return BF16_TOL if recipe == "bf16_mixed_precision" else FP32_TOL
 
 
 def _same_on_every_rank(rank_outs: list[dict], recipe: str) -> dict:
@@ -96,23 +96,14 @@ def _same_on_every_rank(rank_outs: list[dict], recipe: str) -> dict:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_recipe_matches_one_process(impl, recipe, runs, reference):
     got = _same_on_every_rank(runs(impl)["w2"], recipe)
-    ref = reference[recipe]
-    loss_tol, tol = _tolerances(recipe)
-    assert_close(got["losses"], ref["losses"], loss_tol, f"{impl} {recipe}: losses")
-    assert_close(got["first_grads"], ref["first_grads"], tol, f"{impl} {recipe}: first step's full gradients")
-    assert_close(got["grads"], ref["grads"], tol, f"{impl} {recipe}: last step's full gradients")
-    assert_close(got["params"], ref["params"], tol, f"{impl} {recipe}: parameters after the last step")
+    assert_parity(got, reference[recipe], _tolerances(recipe), f"{impl} {recipe}")
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_minifsdp_equals_torch(recipe, runs):
     theirs = _same_on_every_rank(runs("torch")["w2"], recipe)
     ours = _same_on_every_rank(runs("minifsdp")["w2"], recipe)
-    loss_tol, tol = _tolerances(recipe)
-    assert_close(ours["losses"], theirs["losses"], loss_tol, f"{recipe}: minifsdp's losses vs torch's")
-    assert_close(ours["first_grads"], theirs["first_grads"], tol, f"{recipe}: minifsdp's first gradients vs torch's")
-    assert_close(ours["grads"], theirs["grads"], tol, f"{recipe}: minifsdp's full gradients vs torch's")
-    assert_close(ours["params"], theirs["params"], tol, f"{recipe}: minifsdp's parameters vs torch's")
+    assert_parity(ours, theirs, _tolerances(recipe), f"{recipe}: minifsdp vs torch")
     assert ours["bytes_per_step"] == theirs["bytes_per_step"], f"{recipe}: bytes per step per collective"
 
 

@@ -9,7 +9,7 @@ The reference is one process training the unwrapped gpt-tiny on the whole global
 takes rows [r*B/n, (r+1)*B/n)): losses, full gradients (``p.grad.full_tensor()``) and full
 parameters after 3 AdamW steps agree within fp32 relative 1e-5 at 1, 2, 3 (dim 0 uneven: padding)
 and 4 ranks, with reshard_after_forward None, True, False and 2 (at 4 ranks); with
-MixedPrecisionPolicy(bf16, fp32) (fsdp2_recipes.BF16_* say which tolerance and why; at 1 rank bit
+MixedPrecisionPolicy(bf16, fp32) (fsdp2_recipes.BF16_TOL says which tolerance and why; at 1 rank bit
 for bit); on a 2x2 HSDP mesh; with gradient accumulation synchronised on every micro-batch or only
 on the last. The bytes each rank moves per step equal the per-parameter formula
 (fsdp2_recipes.expected_bytes), computed here from the parameter shapes.
@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from fsdp2_recipes import (BF16_GRAD_RTOL, BF16_LOSS_RTOL, LR, MICRO, RTOL, assert_close, assert_equal, counted,
-                           expected_bytes, gpt_groups, mesh_1d, namespace, padded_shard_numel, plain_run, tiny_gpt,
-                           train)
+from fsdp2_recipes import (BF16_TOL, FP32_TOL, LR, MICRO, RTOL, assert_close, assert_equal, assert_parity,
+                           counted, expected_bytes, gpt_groups, mesh_1d, namespace, padded_shard_numel, plain_run,
+                           tiny_gpt, train)
 from minifsdp import launch
 
 IMPLS = ["torch", "minifsdp"]
@@ -225,11 +225,8 @@ def reference():
     return {"fp32": plain_run(STEPS), "bf16": plain_run(STEPS, bf16=True)}
 
 
-def _parity(got, ref, rtol, what, loss_rtol=None):
-    assert_close(got["losses"], ref["losses"], loss_rtol or rtol, f"{what}: losses")
-    assert_close(got["first_grads"], ref["first_grads"], rtol, f"{what}: first step's full gradients")
-    assert_close(got["grads"], ref["grads"], rtol, f"{what}: last step's full gradients")
-    assert_close(got["params"], ref["params"], rtol, f"{what}: parameters after {STEPS} AdamW steps")
+def _parity(got, ref, what, tol=FP32_TOL):
+    assert_parity(got, ref, tol, what)
 
 
 def _resharded(option):
@@ -244,7 +241,7 @@ def _resharded(option):
 def test_parity_with_one_process_every_reshard_after_forward(impl, n, reference):
     for option in [None, True, False] + ([2] if n == 4 else []):
         got = _result(impl, n, ("reshard", option))
-        _parity(got, reference["fp32"], RTOL, f"{impl} at {n} ranks, reshard_after_forward={option}")
+        _parity(got, reference["fp32"], f"{impl} at {n} ranks, reshard_after_forward={option}")
         assert got["dtypes"] == (["torch.float32"], ["torch.float32"]), got["dtypes"]
 
 
@@ -288,7 +285,7 @@ def test_bf16_policy(impl, n, reference):
     if n == 1:   # nothing to reduce: exactly one process's bf16 forward/backward on an fp32 master
         for field in ("losses", "first_grads", "grads", "params"):
             assert_equal(got[field], reference["bf16"][field], f"{what}: {field}")
-    _parity(got, reference["bf16"], BF16_GRAD_RTOL, what, loss_rtol=BF16_LOSS_RTOL)
+    _parity(got, reference["bf16"], what, BF16_TOL)
     # the sharded parameters and their gradients stay fp32 (the master copy), only the gathered ones are bf16
     assert got["dtypes"] == (["torch.float32"], ["torch.float32"]), got["dtypes"]
 
@@ -301,8 +298,8 @@ def test_gradient_accumulation_both_ways(impl, n, reference):
     bytes (one per step instead of one per micro-batch), the same all-gathers, a higher peak (every
     unsharded gradient is kept until the last micro-batch)."""
     sync, no_sync = _result(impl, n, "accumulate_sync"), _result(impl, n, "accumulate_no_sync")
-    _parity(sync, reference["fp32"], RTOL, f"{impl} at {n} ranks, sync every micro-batch")
-    _parity(no_sync, reference["fp32"], RTOL, f"{impl} at {n} ranks, sync on the last micro-batch")
+    _parity(sync, reference["fp32"], f"{impl} at {n} ranks, sync every micro-batch")
+    _parity(no_sync, reference["fp32"], f"{impl} at {n} ranks, sync on the last micro-batch")
     assert sync["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=MICRO, syncs=MICRO)
     assert no_sync["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=MICRO, syncs=1)
     if n > 1:
@@ -313,7 +310,7 @@ def test_gradient_accumulation_both_ways(impl, n, reference):
     # torch's recipe for less traffic: set_reshard_after_backward(False) too, until the last micro-batch:
     # the next forward finds every group unsharded (one forward all-gather per step, not per micro-batch)
     keep = _result(impl, n, "accumulate_keep_unsharded")
-    _parity(keep, reference["fp32"], RTOL, f"{impl} at {n} ranks, no sync and no reshard until the last")
+    _parity(keep, reference["fp32"], f"{impl} at {n} ranks, no sync and no reshard until the last")
     assert keep["bytes_per_step"] == expected_bytes(n, _resharded(None), forwards=1, backwards=MICRO, syncs=1)
 
 
@@ -378,7 +375,7 @@ def test_hsdp_2x2(impl, reference):
     (Replicate(), Shard(0)); bytes: all-gather and reduce-scatter within a shard group of 2, then an
     all-reduce of each gradient shard across the replicas (2x its bytes, all-reduce's volume)."""
     got = _result(impl, 4, "hsdp")
-    _parity(got, reference["fp32"], RTOL, f"{impl} HSDP 2x2")
+    _parity(got, reference["fp32"], f"{impl} HSDP 2x2")
     shards = sum(padded_shard_numel(s, 2) for shapes in gpt_groups().values() for s in shapes) * 4
     assert got["bytes_per_step"] == {**expected_bytes(2, _resharded(None)), "all_reduce": 2 * shards}
     assert got["groups"] == [("all_gather", 2), ("all_reduce", 2), ("reduce_scatter", 2)], got["groups"]
