@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("recording", {"trace", "memory"}),
     ("communication", {"comm"}),
     ("leaves", {"models", "data", "estimate", "planner", "layout"}),
-    ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh"}),
+    ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
+                    "context_parallel", "expert_parallel"}),
     ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
                "strategies"}),
 ]
