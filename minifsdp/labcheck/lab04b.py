@@ -7,8 +7,8 @@ The learner shards every parameter on its own along dim 0, as PyTorch's FSDP2 do
 without the padding), reduce-scatters the group's gradients with one call, and
 writes FSDP2's post-backward with and without gradient sync. Each check runs the
 learner's code (on 3 ranks where it communicates: CPU ranks where the machine has
-fewer GPUs), compares with one process and with torch's own FSDP2, and prints one
-verdict::
+fewer GPUs), compares with one process and with the library's FSDP2
+(``minifsdp.fsdp.fully_shard``; torch's own is only a tripwire here), and prints one verdict::
 
     from minifsdp.labcheck import lab04b as check
     check.shard_param(shard_param, real_rows)
@@ -74,15 +74,11 @@ def _torch_fsdp2() -> tuple:
 
 
 def _minifsdp_fully_shard() -> tuple:
-    """minifsdp's own per-parameter FSDP (``fully_shard``, its FSDPParam and parameter groups)."""
-    found: list[Any] = []
-    for name in ("fsdp_param", "param_group", "fully_shard"):
-        try:
-            found += _functions(importlib.import_module(f"minifsdp.fsdp.{name}"))
-        except ModuleNotFoundError as err:   # not in this checkout: nothing of it to refuse
-            if err.name != f"minifsdp.fsdp.{name}":
-                raise
-    return tuple(found)
+    """minifsdp's own per-parameter FSDP: every function and class of ``fully_shard.py`` (``fully_shard``,
+    ``FSDPModule``, the hooks), ``fsdp_param.py`` (``FSDPParam``, ``ShardLayout``) and ``param_group.py``.
+    (By module path: ``minifsdp.fsdp`` re-exports the function ``fully_shard`` under its module's name.)"""
+    modules = [importlib.import_module(f"minifsdp.fsdp.{name}") for name in ("fully_shard", "fsdp_param", "param_group")]
+    return tuple(obj for module in modules for obj in _functions(module))
 
 
 # The library's implementation of what the exercises build: per-parameter sharding, the group's gather and
@@ -156,12 +152,14 @@ _TRANSLATIONS = (
                           "gives them memory (group.allocate()) before the copy-out"),
     ("cannot be multiplied", "a module computed with a sharded parameter: during the group's forward each module "
                              "must hold the unsharded parameter in its slot (module._parameters)"),
+    ("must match the size of tensor", "a gathered parameter did not fit its unsharded parameter: in the copy-out "
+                                      "keep each parameter's own rows, in its shape, and drop the padding rows"),
 )
 
 
-def _beside(label: str, yours: str, target: str, torchs: str) -> str:
-    """'label: yours X, target Y, torch's fully_shard Z': the learner's figure, the target, PyTorch's FSDP2."""
-    return f"{label}: yours {yours}, target {target}, torch's fully_shard {torchs}"
+def _beside(label: str, yours: str, target: str, library: str) -> str:
+    """'label: yours X, target Y, library (fully_shard) Z': the learner's figure, the target, minifsdp's FSDP2."""
+    return f"{label}: yours {yours}, target {target}, library (fully_shard) {library}"
 
 
 def _translate(what: str, err: CheckFailed) -> None:
@@ -298,9 +296,8 @@ def _slot_names(model: torch.nn.Module, group: Any) -> list[str]:
     return [f"{paths.get(id(m), '?')}.{attr}".lstrip(".") for m, attr in group.slots]
 
 
-def _forward_worker(shard_model: Callable, torch_reference: bool) -> dict:
+def _forward_worker(shard_model: Callable, library: bool) -> dict:
     """A forward through the learner's groups on each model: what the modules held, the bytes, the logits."""
-    from .. import torch_reference as torch_ref
     torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
@@ -351,18 +348,21 @@ def _forward_worker(shard_model: Callable, torch_reference: bool) -> dict:
                 if state:
                     res["swapped"].append((k, state))
         out[name] = res
-    if torch_reference:   # torch's FSDP2: its all-gathered bytes for the same forward, counted
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        model = _build(MODEL).to(device)
-        mesh = init_device_mesh(device.type, (n,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        with trace.Tracer(rank=rank) as tracer, torch_ref.count_collectives(), torch.no_grad():
+    if library:   # minifsdp's fully_shard: its all-gathered bytes for the same forward
+        model = _fsdp2(_build(MODEL).to(device))
+        with trace.Tracer(rank=rank) as tracer, torch.no_grad():
             model(_inputs(MODEL)[rows].to(device))
-        out["torch_bytes"] = tracer.trace.bytes_by_op()
+        out["library_bytes"] = tracer.trace.bytes_by_op()
     return out
+
+
+def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with minifsdp's ``fully_shard`` on every Block, then on the root (FSDP2's recipe)."""
+    from ..fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
 
 
 def _piece_padded(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -376,7 +376,7 @@ def _piece_padded(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def unshard(shard_model: Callable, unshard: Callable, reshard: Callable) -> None:
     """Forwards on 3 ranks through the learner's groups (gpt-tiny, and an MLP with an empty rank) against one
     process: the modules hold the gathered parameters in forward and the sharded ones after; one all-gather per
-    group, 4 B x padded Ψ in all, beside torch's fully_shard."""
+    group, 4 B x padded Ψ in all, beside the library's fully_shard."""
     what = "unshard"
     require_own(what, LIBRARY, shard_model, unshard, reshard)
     n = check_world(RANKS)
@@ -435,11 +435,11 @@ def unshard(shard_model: Callable, unshard: Callable, reshard: Callable) -> None
         if got_bytes.get("all_gather", 0) != target:
             failed(what, f"{label}: all-gathered {got_bytes.get('all_gather', 0):,} B per forward, target {target:,} B "
                          "(4 B x N x ceil(n/N) rows of each parameter): send the padded shards, each once")
-    torch_bytes = res[0]["torch_bytes"].get("all_gather", 0)
+    library_bytes = res[0]["library_bytes"].get("all_gather", 0)
     passed(what, f"one process's outputs at {n} ranks ({MODEL}, and an MLP whose rank {n - 1} holds no row of its "
                  f"first layer); the modules held the gathered parameters in forward, the sharded ones after; "
                  + _beside(f"{MODEL} all-gathered per forward", f"{got_bytes['all_gather']:,} B in {calls} calls",
-                           f"{target:,} B, one call per group", f"{torch_bytes:,} B"))
+                           f"{target:,} B, one call per group", f"{library_bytes:,} B"))
 
 
 # -- exercise 3: one reduce-scatter for a group's gradients ------------------------------------------------------
@@ -552,7 +552,7 @@ class _Recording(torch.optim.AdamW):
 
 
 def _accumulate(model: torch.nn.Module, opt: Any, batches: list, sync_every: bool) -> None:
-    """The check's own FSDP2 loop, for torch's fully_shard (not the learner's)."""
+    """The check's own FSDP2 loop, for the library's fully_shard (not the learner's)."""
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(sync_every or i == len(batches) - 1)
         models.lm_loss(model(x), y).backward()
@@ -561,8 +561,7 @@ def _accumulate(model: torch.nn.Module, opt: Any, batches: list, sync_every: boo
 
 
 def _train_worker(shard_model: Callable, train_step: Callable) -> dict:
-    """Two accumulation steps through the learner's groups (sync every micro-batch, then once); then torch's."""
-    from .. import torch_reference as torch_ref
+    """Two accumulation steps through the learner's groups (sync every micro-batch, then once); then the library's."""
     torch.set_num_threads(1)
     rank, n, device = dist.rank(), dist.world_size(), dist.device()
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
@@ -584,21 +583,15 @@ def _train_worker(shard_model: Callable, train_step: Callable) -> dict:
     out["records"] = opt.records
     out["held_after"] = held()
     out["params"] = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
-    # torch's FSDP2, the same two steps by the check's own loop: its reduce-scattered bytes per step
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    ref = models.build_model(MODEL).to(device)
-    mesh = init_device_mesh(device.type, (n,))
-    for block in ref.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(ref, mesh=mesh)
+    # minifsdp's fully_shard, the same two steps by the check's own loop: its reduce-scattered bytes per step
+    ref = _fsdp2(models.build_model(MODEL).to(device))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    out["torch_bytes"] = []
+    out["library_bytes"] = []
     for step in range(2):
         batches = [(x[rows].to(device), y[rows].to(device)) for x, y in _micro_batches(step)]
-        with trace.Tracer(rank=rank) as tracer, torch_ref.count_collectives():
+        with trace.Tracer(rank=rank) as tracer:
             _accumulate(ref, ref_opt, batches, step == 0)
-        out["torch_bytes"].append(tracer.trace.bytes_by_op())
+        out["library_bytes"].append(tracer.trace.bytes_by_op())
     return out
 
 
@@ -626,7 +619,7 @@ def _grad_verdict(n: int, r: int, step: int, k: str, got: Any, want: torch.Tenso
 
 def post_backward(shard_model: Callable, post_backward: Callable, train_step: Callable) -> None:
     """Two steps of 2 micro-batches on 3 ranks (sync every micro-batch, then once) against one process: gradients,
-    parameters, bytes per step and the full-size gradients held between micro-batches, beside torch's fully_shard."""
+    parameters, bytes per step and the full-size gradients held between micro-batches, beside the library's."""
     what = "post_backward"
     require_own(what, LIBRARY, shard_model, post_backward, train_step)
     n = check_world(RANKS)
@@ -683,12 +676,12 @@ def post_backward(shard_model: Callable, post_backward: Callable, train_step: Ca
         else:
             why = "each micro-batch gathers every group twice (forward, backward) and reduces it when it syncs"
         failed(what, f"{n} ranks, step {step}: moved {got}, target {target}: {why}")
-    torch_rs = [b.get("reduce_scatter", 0) for b in res[0]["torch_bytes"]]
-    results["post_backward"] = {"bytes": first, "torch_bytes": res[0]["torch_bytes"], "held": res[0]["held"],
+    library_rs = [b.get("reduce_scatter", 0) for b in res[0]["library_bytes"]]
+    results["post_backward"] = {"bytes": first, "library_bytes": res[0]["library_bytes"], "held": res[0]["held"],
                                 "world_size": n, "psi": psi, "padded_bytes": padded, "micro_batches": MICRO}
     passed(what, f"one process's gradients and parameters at {n} ranks (max |diff| {worst:.1e}); "
                  + _beside("reduce-scattered per step, sync every micro-batch / once",
                            f"{first[0]['reduce_scatter']:,} / {first[1]['reduce_scatter']:,} B",
-                           f"{MICRO * padded:,} / {padded:,} B", f"{torch_rs[0]:,} / {torch_rs[1]:,} B")
+                           f"{MICRO * padded:,} / {padded:,} B", f"{library_rs[0]:,} / {library_rs[1]:,} B")
                  + f"; full-size gradients held between micro-batches without sync: yours {res[0]['held'][MICRO + 1]:,}"
                  f" B, target 4Ψ = {FP32 * psi:,} B")
