@@ -65,7 +65,7 @@ def gpt_parity(cp, rank, split, wrap=None):
     model = {"ddp": DistributedDataParallel, "fsdp": FullyShardedDataParallel}[wrap](cpm) if wrap else cpm
     opt_f = torch.optim.AdamW(full.parameters(), lr=1e-3, weight_decay=0.1)
     opt_c = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    errs, measured = {"loss": 0.0, "grad": 0.0, "param": 0.0}, None
+    errs, measured = {"loss": 0.0, "param": 0.0}, None
     ref = dict(full.named_parameters())
     grads = lambda m: {n: p.grad for n, p in m.named_parameters()}  # noqa: E731
     for step in range(STEPS):
@@ -83,7 +83,7 @@ def gpt_parity(cp, rank, split, wrap=None):
             measured = _ring_bytes_and_work(tracer.trace)
         errs["loss"] = max(errs["loss"], abs(C.global_loss(lc).item() - lf.item()) / abs(lf.item()))
         if wrap != "fsdp":  # FSDP keeps sharded flat gradients; its parameters are compared below
-            errs["grad"] = max(errs["grad"], rel_model(grads(cpm), grads(full)))
+            errs["grad"] = max(errs.get("grad", 0.0), rel_model(grads(cpm), grads(full)))
             if step == 0:  # the models still equal: every gradient tensor on its own scale too
                 errs["grad_per_tensor_step0"] = max(rel(p.grad, ref[n].grad) for n, p in cpm.named_parameters())
         opt_f.step(), opt_c.step()
@@ -98,7 +98,7 @@ def gpt_parity(cp, rank, split, wrap=None):
 
 
 def _ring_bytes_and_work(tr):
-    """{(layer, phase, op): bytes} of the ring's p2p spans, {(layer, phase): unmasked pairs} of its blocks."""
+    """{(layer, phase, op): bytes} of the ring's p2p spans; {(phase, "pairs" | "scores"): sum} of its blocks."""
     sent = {}
     for s in tr.comm_spans():
         if s.name in ("send", "recv"):
@@ -107,7 +107,9 @@ def _ring_bytes_and_work(tr):
     work = {}
     for s in tr.compute_spans():
         if s.name == "ring_attention.block":
-            work[s.args["phase"]] = work.get(s.args["phase"], 0) + s.args["pairs"]
+            for what in ("pairs", "scores"):
+                key = (s.args["phase"], what)
+                work[key] = work.get(key, 0) + s.args[what]
     return {"bytes": sent, "work": work}
 
 

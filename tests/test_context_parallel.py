@@ -85,6 +85,16 @@ def test_block_backward_with_the_final_lse_equals_autograd():
         assert cp_helpers.rel(ours, ref) < 1e-6
 
 
+def test_one_rank_is_full_attention():
+    """cp = 1 (no process group): ring attention is the causal attention, and the cp GPT is the GPT."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    assert cp_helpers.rel(C.ring_attention(q, k, v), C.softmax_attention(q, k, v, models._future_mask(8))) < 1e-6
+    model = models.build_model("gpt-tiny", seed=0)
+    x = torch.randint(0, 256, (2, 16), generator=g)
+    assert cp_helpers.rel(C.context_parallel_gpt(model)(x), model(x)) < 1e-6
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("how", ["zigzag", "naive"])
 def test_split_and_unsplit_are_inverse(cp, how):
@@ -132,6 +142,8 @@ def test_composes_with_ddp_and_fsdp_over_the_cp_ranks(cp2):
     """minifsdp's DDP (its all-reduce averages the gradients) and FSDP (sharded over the same 2 ranks) in place of
     all_reduce_gradients: the same parity."""
     for rank, result in enumerate(cp2):
+        assert set(result["ddp"]) == {"loss", "grad", "grad_per_tensor_step0", "param"}
+        assert set(result["fsdp"]) == {"loss", "param"}  # FSDP's gradients are sharded flat: parameters compared
         for wrap in ("ddp", "fsdp"):
             assert max(result[wrap].values()) < TOL, (rank, wrap, result[wrap])
 
@@ -151,20 +163,26 @@ def test_tracer_bytes_per_layer_equal_the_formula(ranks):
 
 
 def test_zigzag_balances_the_work_naive_does_not(ranks):
-    """The unmasked pairs each rank computed (the tracer's block spans) equal split.attention_work; zig-zag's
-    spread is within 10 % (it is 0), the naive split's imbalance is large (cp=2: 1.88, cp=4: 5.33 on T=32)."""
+    """The unmasked pairs each rank computed (the tracer's block spans) equal split.attention_work, and the scores
+    it computed (diagonal blocks whole) 2cp+1 blocks of (T/2cp)^2 (zig-zag) or r+1 of (T/cp)^2 (naive). Zig-zag's
+    spread is within 10 % (it is 0 for both), the naive split's imbalance is large (pairs, T=32: cp=2 1.88,
+    cp=4 5.33; scores: cp=2 1.0, cp=4 3.0)."""
     cp, results = ranks
-    n_layer = models.MODEL_PRESETS["gpt-tiny"].n_layer
+    n_layer, T = models.MODEL_PRESETS["gpt-tiny"].n_layer, cp_helpers.T
+    scores = {"zigzag": [(2 * cp + 1) * (T // (2 * cp)) ** 2] * cp,
+              "naive": [(r + 1) * (T // cp) ** 2 for r in range(cp)]}
     spread = {}
     for how in ("zigzag", "naive"):
         for phase in ("forward", "backward"):
-            measured = [r["work"][how][phase] for r in results]
-            assert measured == [n_layer * w for w in C.attention_work(cp_helpers.T, cp, how)], (how, phase)
+            pairs = [r["work"][how][(phase, "pairs")] for r in results]
+            assert pairs == [n_layer * w for w in C.attention_work(T, cp, how)], (how, phase)
+            computed = [r["work"][how][(phase, "scores")] for r in results]
+            assert computed == [n_layer * s for s in scores[how]], (how, phase)
         alone = [r["work_alone"][how]["pairs"] for r in results]
         assert alone == C.attention_work(256, cp, how)
-        spread[how] = C.imbalance(measured)
-    assert spread["zigzag"] <= 0.10
-    assert spread["naive"] == pytest.approx({2: 784 / 272 - 1, 4: 456 / 72 - 1}[cp]), spread
+        spread[how] = C.imbalance(pairs), C.imbalance(computed)
+    assert max(spread["zigzag"]) <= 0.10
+    assert spread["naive"] == pytest.approx({2: (784 / 272 - 1, 1.0), 4: (456 / 72 - 1, 3.0)}[cp]), spread
 
 
 def test_bad_input_gets_one_line_naming_the_fix(ranks):

@@ -45,8 +45,10 @@ the local share travel as one message; ``d`` = heads x head_dim)::
 
 ``ring_attention_bytes`` computes it. Work: each block computed opens a trace
 span ``ring_attention.block`` with ``pairs`` = its unmasked query-key pairs
-(per sample and head), so a tracer measures each rank's work
-(``split.attention_work`` predicts it).
+(per sample and head; ``split.attention_work`` predicts them) and ``scores`` = the
+scores it computed (a diagonal block computes all ``n^2`` and masks half), so a
+tracer measures each rank's work. Zig-zag computes ``2 cp + 1`` blocks of
+``(T/2cp)^2`` scores on every rank; naive, ``r + 1`` blocks of ``(T/cp)^2`` on rank ``r``.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class RingAttention(torch.autograd.Function):
                 ks, vs = kv[0].chunk(len(mine), dim=-2), kv[1].chunk(len(mine), dim=-2)
                 for i, j, kind in _pairs(mine, chunks_of(src, ring.size, split)):
                     with trace.span("ring_attention.block", phase="forward", step=step, block=kind,
-                                    pairs=pair_work(kind, n)):
+                                    pairs=pair_work(kind, n), scores=n * n):
                         o, lse = partial_attention(qs[i], ks[j], vs[j], diagonal if kind == "diagonal" else None,
                                                    scale)
                     # Step 0 holds every piece's diagonal block, so each piece starts there.
@@ -142,7 +144,7 @@ class RingAttention(torch.autograd.Function):
                 dks, dvs = dkv[0].chunk(pieces, dim=-2), dkv[1].chunk(pieces, dim=-2)
                 for i, j, kind in _pairs(mine, chunks_of(src, ring.size, split)):
                     with trace.span("ring_attention.block", phase="backward", step=step, block=kind,
-                                    pairs=pair_work(kind, n)):
+                                    pairs=pair_work(kind, n), scores=n * n):
                         gq, gk, gv = partial_attention_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i],
                                                                 diagonal if kind == "diagonal" else None, scale)
                     dqs[i].add_(gq)
