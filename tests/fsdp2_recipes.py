@@ -263,7 +263,17 @@ def plain_run(steps: int, n_layer: int = 2, bf16: bool = False) -> dict[str, Any
 
     ``bf16`` emulates MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) in one process:
     forward and backward on a bf16 copy of the fp32 parameters, gradients cast to fp32, AdamW on the
-    fp32 parameters."""
+    fp32 parameters. Runs on one thread, as the launched ranks do (launch(..., threads_per_rank=1)):
+    the thread count can change a kernel's summation order, and at 1 rank the runs must agree bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _plain_run(steps, n_layer, bf16)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plain_run(steps: int, n_layer: int, bf16: bool) -> dict[str, Any]:
     master = tiny_gpt(n_layer)
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
     if not bf16:

@@ -58,16 +58,17 @@ def runs(tmp_path_factory):
     def get(impl: str) -> dict:
         if impl not in _RUNS:
             ckpt = str(tmp_path_factory.mktemp(f"dcp_{impl}"))
-            w2 = launch(_recipes_at_2, 2, impl, ckpt, timeout=150)
-            _RUNS[impl] = {"w2": w2, "ckpt": ckpt}
-            # minifsdp's 4-rank run also loads torch's checkpoint, its 2-rank resume loads its own into torch
+            steps = (SAVE_AT, TOTAL - SAVE_AT)
+            run = {"ckpt": ckpt, "w2": launch(_recipes_at_2, 2, impl, ckpt, timeout=150, threads_per_rank=1)}
+            # minifsdp's 4-rank run also loads torch's 2-rank checkpoint; its 2-rank resume also loads the
+            # checkpoint minifsdp wrote at 1 rank into torch's fully_shard
             foreign4 = ("torch", f"{get('torch')['ckpt']}/w2") if impl == "minifsdp" else None
-            _RUNS[impl]["w4"] = launch(_load_at, 4, impl, ckpt, "w2", "w4", SAVE_AT, TOTAL - SAVE_AT, foreign4,
-                                       timeout=90)
-            _RUNS[impl]["w1"] = launch(_load_at, 1, impl, ckpt, "w4", "w1", SAVE_AT, TOTAL - SAVE_AT, timeout=90)
             foreign2 = ("torch", f"{ckpt}/w1") if impl == "minifsdp" else None
-            _RUNS[impl]["w2_resumed"] = launch(_load_at, 2, impl, ckpt, "w1", None, SAVE_AT, TOTAL - SAVE_AT,
-                                               foreign2, timeout=90)
+            run["w4"] = launch(_load_at, 4, impl, ckpt, "w2", "w4", *steps, foreign4, timeout=90, threads_per_rank=1)
+            run["w1"] = launch(_load_at, 1, impl, ckpt, "w4", "w1", *steps, timeout=90, threads_per_rank=1)
+            run["w2_resumed"] = launch(_load_at, 2, impl, ckpt, "w1", None, *steps, foreign2, timeout=90,
+                                       threads_per_rank=1)
+            _RUNS[impl] = run
         return _RUNS[impl]
     return get
 

@@ -203,7 +203,7 @@ _RUNS: dict[tuple[str, int], list] = {}
 
 def _suite(impl: str, n: int) -> list[dict]:
     if (impl, n) not in _RUNS:
-        _RUNS[impl, n] = launch(_world_suite, n, impl, timeout=150)
+        _RUNS[impl, n] = launch(_world_suite, n, impl, timeout=150, threads_per_rank=1)
     return _RUNS[impl, n]
 
 
