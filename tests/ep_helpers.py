@@ -175,10 +175,41 @@ def _bad_input(ep):
     return errors
 
 
+def _skewed(ep, r):
+    """One MoE layer whose router sends every token to experts 0 and 1 (rank 0's): the other ranks send
+    all their rows away and their experts get none (empty splits). Output, input gradient, expert and
+    router gradients vs the single-process layer on the whole batch (the loss a sum: nothing averaged)."""
+    import copy
+
+    dev = dist.device()
+    full = models.build_model(MODEL).blocks[1].mlp.to(dev)
+    with torch.no_grad():
+        full.router.weight.zero_()
+        full.router.weight[0, 0], full.router.weight[1, 0] = 10.0, 9.0
+    par = EP.ExpertParallelMoE(copy.deepcopy(full), None, label="skewed")
+    x = torch.randn(B, T, 32, generator=_gen(7)) * 0.1
+    x[..., 0] = 1.0
+    up = torch.randn(B, T, 32, generator=_gen(8)).to(dev)
+    x = x.to(dev)
+    b = B // ep
+    xf, xp = x.clone().requires_grad_(), x[r * b:(r + 1) * b].clone().requires_grad_()
+    yf, yp = full(xf), par(xp)
+    (yf * up).sum().backward()
+    (yp * up[r * b:(r + 1) * b]).sum().backward()
+    router = par.router.weight.grad.clone()
+    comm.all_reduce(router)
+    fp = dict(full.named_parameters())
+    return {"routed": par.tokens_per_expert.tolist(),
+            "out": _err(yp, yf[r * b:(r + 1) * b]), "dx": _err(xp.grad, xf.grad[r * b:(r + 1) * b]),
+            "experts": max(_err(p.grad, fp[n].grad) for n, p in par.experts.named_parameters(prefix="experts")),
+            "router": _err(router, full.router.weight.grad)}
+
+
 def ep_checks(ep, modes=tuple(MODES), steps=3):
     """Everything multi-rank, on the world as the ep group: {"comm", "errors", mode: parity/bytes/drops}."""
     r = dist.rank()
     result = {"comm": _comm_check(ep, r), "errors": _bad_input(ep), "pretend_gpu": dist.device() is fake_gpu.FAKE_GPU}
+    result["skewed"] = _skewed(ep, r)
     for mode in modes:
         result[mode] = _parity(ep, r, mode, steps)
     return result

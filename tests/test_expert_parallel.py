@@ -168,6 +168,16 @@ def test_parity_with_one_process(ranks, mode):
 
 
 @pytest.mark.multiprocess  # through the ranks fixture, which conftest cannot follow
+def test_skewed_routing_with_empty_splits(ranks):
+    """Every token to rank 0's experts 0 and 1: the other ranks' experts receive nothing, yet the layer's
+    output, input gradients, expert gradients and (summed) router gradients equal one process's."""
+    for rank, out in enumerate(ranks):
+        sk = out["skewed"]
+        assert sk["routed"] == [ep_helpers.B // len(ranks) * ep_helpers.T] * 2 + [0] * 6, (rank, sk["routed"])
+        assert max(v for k, v in sk.items() if k != "routed") < TOL, (rank, sk)
+
+
+@pytest.mark.multiprocess  # through the ranks fixture, which conftest cannot follow
 def test_capacity_drops_the_same_tokens_as_one_process(ranks):
     """Capacity per sequence: the ep group drops exactly the assignments one process drops, counted."""
     for out in ranks:

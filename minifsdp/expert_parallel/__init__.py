@@ -29,11 +29,8 @@ tokens a, b and rank 1 c, d; the replicated router picks a -> 0, 2   b -> 1, 0  
     counts per expert   [2, 1, 1, 0]   send [3, 1]          [0, 1, 1, 2]   send [1, 3]
     counts all-to-all   [[2, 1], [0, 1]]   recv [3, 1]      [[1, 0], [1, 2]]   recv [1, 3]
 
-    dispatch            [a b b | a] ───────┐   ┌─────────── [c | d c d]
-                                            ╲ ╱
-                                             ╳
-                                            ╱ ╲
-    received            [a b b | c] <──────┘   └──────────> [a | d c d]
+    dispatch            [a b b | a]  a b b stay, a -> r1    [c | d c d]  c -> r0, d c d stay
+    received            [a b b | c]  (from r0 | from r1)    [a | d c d]  (from r0 | from r1)
     local experts       e0(a) e0(b) | e1(b) e1(c)           e2(a) e2(d) | e3(c) e3(d)
     combine             the same all-to-all, split sizes swapped: every output row goes home
     back home           [e0(a) e0(b) e1(b) | e2(a)]         [e1(c) | e2(d) e3(c) e3(d)]

@@ -91,9 +91,9 @@ class ExpertParallelMoE(models.MoE):
         ``rows`` arrive source by source, each source's block expert by expert: ``received[s, l]`` rows
         from rank s for local expert l. A stable sort groups them by expert (Megatron-LM's
         ``sort_chunks_by_idxs``: every expert one contiguous chunk, as a grouped GEMM wants), each expert
-        runs once, and the inverse permutation puts the outputs back. Worked example, ep = 2, two local
-        experts, ``received = [[2, 1], [0, 1]]``: rows [a, b | c] from rank 0 and [d] from rank 1, local
-        experts of the rows [0, 0, 1, 1]: expert 0 runs on [a, b], expert 1 on [c, d].
+        runs once, and the inverse permutation puts the outputs back. Worked example, rank 0 of the picture
+        in ``__init__.py``: ``received = [[2, 1], [0, 1]]``, rows [a b b | c] (from rank 0 | rank 1), local
+        experts of the rows [0 0 1 | 1]: expert 0 runs on [a, b], expert 1 on [b, c].
         """
         expert_of_row = torch.arange(self.n_local, device=rows.device).repeat(self.ep)
         expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
