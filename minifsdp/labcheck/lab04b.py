@@ -33,7 +33,6 @@ split and gathers, ``minifsdp.fsdp``'s flat units) statically and at run time, a
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import types
@@ -77,7 +76,8 @@ def _minifsdp_fully_shard() -> tuple:
     """minifsdp's own per-parameter FSDP: every function and class of ``fully_shard.py`` (``fully_shard``,
     ``FSDPModule``, the hooks), ``fsdp_param.py`` (``FSDPParam``, ``ShardLayout``) and ``param_group.py``.
     (By module path: ``minifsdp.fsdp`` re-exports the function ``fully_shard`` under its module's name.)"""
-    modules = [importlib.import_module(f"minifsdp.fsdp.{name}") for name in ("fully_shard", "fsdp_param", "param_group")]
+    modules = [importlib.import_module(f"minifsdp.fsdp.{name}")
+               for name in ("fully_shard", "fsdp_param", "param_group")]
     return tuple(obj for module in modules for obj in _functions(module))
 
 
@@ -213,8 +213,42 @@ def _reference_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 # -- exercise 1: the Shard(0) piece, in this process ------------------------------------------------------------
-def shard_param(shard_param: Callable[[torch.Tensor, int, int], torch.Tensor], real_rows: Callable[[int, int, int], int]
-                ) -> None:
+def _piece_verdict(got: Any, t: torch.Tensor, rank: int, world: int) -> str | None:
+    """What is wrong with the learner's piece ``got`` of ``t`` for ``rank`` (None: torch's Shard(0) piece)."""
+    n, rows = t.shape[0], _rows(t.shape[0], world)
+    want, real = _reference_shard(t.detach(), rank, world), _piece(t.detach(), rank, world).shape[0]
+    if not isinstance(got, torch.Tensor):
+        return f"shard_param returned {type(got).__name__}: return a tensor, the padded piece"
+    if got.shape != want.shape:
+        if got.dim() == 1 and t.dim() > 1:
+            why = ("keep the parameter's other dimensions: FSDP2 cuts rows (dim 0), not a flat vector (that was "
+                   "lab 04's flat unit)")
+        elif got.shape[0] == real and real != rows:
+            why = (f"that is its {real} real row(s) only: pad with zero rows to ceil({n}/{world}) = {rows}, so every "
+                   "rank sends the same bytes")
+        else:
+            why = f"every rank's piece has ceil({n}/{world}) = {rows} row(s), real ones first"
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}: {why}"
+    if got.requires_grad or got.grad_fn is not None:
+        return "the piece carries autograd history (requires_grad): detach it, it becomes a parameter of its own"
+    if not torch.equal(got.detach(), want):
+        if torch.equal(got.detach()[:real], want[:real]):
+            return f"the padding rows after the {real} real row(s) must be zeros"
+        spread = torch.tensor_split(t.detach(), world)[rank]
+        if spread.shape[0] != real and torch.equal(got.detach()[:spread.shape[0]], spread):
+            return (f"the real rows differ from torch's Shard(0) piece: your cut spreads the rows evenly (n // N, one "
+                    f"more for the first ranks); torch.chunk gives every rank ceil(n/N) = {rows} until the rows run out")
+        return (f"the real rows differ from torch's Shard(0) piece: rank r keeps rows r x {rows} to (r + 1) x {rows} "
+                "of the parameter, in order (the order the all-gather puts them back in)")
+    held, own = got.untyped_storage().nbytes(), got.numel() * got.element_size()
+    if held != own:
+        return (f"the piece is a view into {held:,} bytes, not {own:,} bytes of its own: return a new tensor, or "
+                "every rank keeps the whole parameter alive")
+    return None
+
+
+def shard_param(shard_param: Callable[[torch.Tensor, int, int], torch.Tensor],
+                real_rows: Callable[[int, int, int], int]) -> None:
     """``shard_param`` and ``real_rows`` on 6 shapes at N = 2, 3, 4, 8 against torch's Shard(0) split."""
     what = "Shard(0) piece"
     require_own(what, LIBRARY, shard_param, real_rows)
@@ -222,53 +256,21 @@ def shard_param(shard_param: Callable[[torch.Tensor, int, int], torch.Tensor], r
     gen = torch.Generator().manual_seed(0)
     empty_seen = 0
     for shape in SHAPES:
-        t = torch.randn(shape, generator=gen, requires_grad=True)
-        n, label = shape[0], f"a [{', '.join(map(str, shape))}] parameter"
+        t = torch.randn(shape, generator=gen, requires_grad=True)   # a parameter: the piece must not keep autograd
+        n = shape[0]
         for world in WORLDS:
             rows = _rows(n, world)
             for rank in range(world):
-                want = _reference_shard(t.detach(), rank, world)
                 real = _piece(t.detach(), rank, world).shape[0]
                 empty_seen += real == 0
-                got = call(what, shard_param, t, rank, world)
-                where = f"{label}, rank {rank} of {world}"
-                if not isinstance(got, torch.Tensor):
-                    failed(what, f"shard_param returned {type(got).__name__} for {where}: return a tensor, the padded "
-                                 "piece")
-                if got.shape != want.shape:
-                    if got.dim() == 1 and t.dim() > 1:
-                        why = ("keep the parameter's other dimensions: FSDP2 cuts rows (dim 0), not a flat vector "
-                               "(that was lab 04's flat unit)")
-                    elif got.shape[0] == real and real != rows:
-                        why = (f"that is its {real} real row(s) only: pad with zero rows to ceil({n}/{world}) = {rows}, "
-                               "so every rank sends the same bytes")
-                    else:
-                        why = f"every rank's piece has ceil({n}/{world}) = {rows} row(s), real ones first"
-                    failed(what, f"{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}: {why}")
-                if got.requires_grad or got.grad_fn is not None:
-                    failed(what, f"{where}: the piece carries autograd history (requires_grad): detach it, it becomes "
-                                 "a parameter of its own")
-                if not torch.equal(got.detach(), want):
-                    if not torch.equal(got.detach()[:real], want[:real]):
-                        spread = torch.tensor_split(t.detach(), world)[rank]
-                        if spread.shape[0] <= got.shape[0] and torch.equal(got.detach()[:spread.shape[0]], spread) \
-                                and spread.shape[0] != real:
-                            why = (f"your cut spreads the rows evenly (n // N, one more for the first ranks); "
-                                   f"torch.chunk gives every rank ceil(n/N) = {rows} until the rows run out")
-                        else:
-                            why = (f"rank r keeps rows r x {rows} to (r + 1) x {rows} of the parameter, in order "
-                                   "(the order the all-gather puts them back in)")
-                        failed(what, f"{where}: the real rows differ from torch's Shard(0) piece: {why}")
-                    failed(what, f"{where}: the padding rows after the {real} real row(s) must be zeros")
-                held = got.untyped_storage().nbytes()
-                if held != got.numel() * got.element_size():
-                    failed(what, f"{where}: the piece is a view into {held:,} bytes, not {got.numel() * got.element_size()}"
-                                 " bytes of its own: return a new tensor, or every rank keeps the whole parameter alive")
+                why = _piece_verdict(call(what, shard_param, t, rank, world), t, rank, world)
+                if why:
+                    failed(what, f"a [{', '.join(map(str, shape))}] parameter, rank {rank} of {world}: {why}")
                 answer = call(what, real_rows, n, rank, world)
                 if answer != real:
                     extra = f": rank {rank} starts at row {rank * rows}, past the last row" if real == 0 else ""
-                    failed(what, f"real_rows({n}, {rank}, {world}) = {answer!r}, expected {real} (torch.chunk cuts {n} "
-                                 f"rows into pieces of {rows}){extra}")
+                    failed(what, f"real_rows({n}, {rank}, {world}) = {answer!r}, expected {real} (torch.chunk cuts "
+                                 f"{n} rows into pieces of {rows}){extra}")
     shapes = _param_shapes(MODEL)
     yours = RANKS * sum(call(what, shard_param, torch.zeros(s), 0, RANKS).numel() for s in shapes)
     psi = sum(math.prod(s) for s in shapes)
@@ -513,7 +515,7 @@ def reduce_scatter_grads(reduce_scatter_grads: Callable[[list[torch.Tensor]], li
                            f"{target:,} B in 1 call"))
 
 
-# -- exercise 4: post-backward with and without sync, whole steps on 3 ranks ------------------------------------------
+# -- exercise 4: post-backward with and without sync, whole steps on 3 ranks ------------------------------
 def _micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [data.get_batch(step + 100 * micro, BATCH, SEQ) for micro in range(MICRO)]
 
@@ -611,7 +613,8 @@ def _grad_verdict(n: int, r: int, step: int, k: str, got: Any, want: torch.Tenso
                 "the unsharded .grad (autograd adds the next micro-batch into it) until the backward with sync")
     if torch.allclose(got, n * want, atol=ATOL * n, rtol=RTOL):
         return f"{n} x the right gradient: divide the reduce-scatter's sum by the world size (exercise 3's check)"
-    if torch.allclose(got, 2 * want, atol=2 * ATOL, rtol=RTOL) or torch.allclose(got, want + last, atol=ATOL, rtol=RTOL):
+    twice = torch.allclose(got, 2 * want, atol=2 * ATOL, rtol=RTOL)
+    if twice or torch.allclose(got, want + last, atol=ATOL, rtol=RTOL):
         return ("a micro-batch's gradient was counted twice: after a sync, take the full gradients off the unsharded "
                 "parameters, or the next backward adds to them again")
     return "it differs from one process's: run exercise 3's check, then look at post_backward"

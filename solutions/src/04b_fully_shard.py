@@ -329,9 +329,9 @@ check.post_backward(shard_model, post_backward, train_step)
 # The library's per-parameter FSDP is `minifsdp.fsdp.fully_shard` (`fsdp/fully_shard.py`,
 # `fsdp_param.py`, `param_group.py`): your four pieces, plus prefetch, mixed precision,
 # CPU offload and `reshard_after_forward=int`. Compare it with yours now that your checks
-# pass. One difference shows in the bytes below: `fully_shard`, like PyTorch's, keeps the
-# root unsharded from forward to backward (the root computes first in backward), so the
-# root is gathered once per step, not twice.
+# pass. One difference: `fully_shard`, like PyTorch's, keeps the root unsharded from
+# forward to backward (the root computes first in backward), so it gathers the root once
+# per step, not twice; lab 04's flat FSDP does the same (section 2's bytes).
 
 # %% [markdown]
 # ## 2. Per-parameter beside the flat unit (lab 04)
@@ -399,8 +399,7 @@ assert padding[LAYOUTS[0]] > padding[LAYOUTS[1]] >= 0, "the text below says per-
 # root twice per step, the flat FSDP once (its root rule).
 #
 # **Predict first**: which layout peaks higher? How many blocks does each hold gathered
-# at its peak? (The flat FSDP prefetches; FSDP2's copy-in needs a buffer beside the
-# full gradients.)
+# at its peak? Note your guesses; the table under the figure answers.
 
 # %%
 # FIGURE
@@ -602,7 +601,7 @@ for s in SOURCES:
 # %% [markdown]
 # *Takeaway: without sync the reduce-scatter runs once per step instead of once per
 # micro-batch, and every rank keeps the full-size gradients (`4Ψ`) from the first
-# micro-batch to the last instead of its `4Ψ/N` rows: the peak rises, by at most
+# micro-batch to the last instead of its `4Ψ/N` rows: the peak rises, by up to about
 # `4Ψ(1 - 1/N)`.* Your check measured those held gradients exactly (`4Ψ` between
 # micro-batches). On a real model with `N` in the hundreds that is the whole gradient
 # back in memory: FSDP2 users sync once per step when the network is the bottleneck and
@@ -617,7 +616,7 @@ for s in SOURCES:
 # group with every rank's rows side by side, and its post-backward with and without sync,
 # and matched one process and PyTorch's own FSDP2 to the byte. Against lab 04's flat
 # unit it moves the same bytes up to padding, which stays small until `N` nears a
-# parameter's rows, and pays for copy-out buffers at the peak. Code written for
+# parameter's rows, and pays for its copy-in and copy-out buffers. Code written for
 # PyTorch's `fully_shard` runs on `minifsdp.fsdp` unchanged but for one import.
 
 # %%
