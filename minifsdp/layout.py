@@ -8,9 +8,20 @@ is the model. Every parallel run is a grid of ranks, one degree per dimension:
           a group of dp_shard ranks, replicated across the dp_replicate groups
     pp    pipeline parallel: consecutive stages, each rank ``virtual_stages`` of them
     tp    tensor parallel: every layer split between tp ranks
-    cp    context parallel, ep expert parallel: next (held at 1 here)
+    cp    context parallel: every sequence split between cp ranks (ring attention);
+          the cp ranks of one sample read the same sequences, so the gradients are
+          averaged over dp x cp (torchtitan's ``dp_shard_cp``)
+    ep    expert parallel, *inside* dp: the dp ranks fall into dp / ep groups of ep
+          consecutive ranks; each group spreads every MoE layer's experts over its ep
+          ranks (E / ep each) and the groups replicate them (the "expert data parallel"
+          groups: the dp / ep ranks that hold the same experts). ep is not a factor of
+          the world size; it must divide dp (DeepSpeed-MoE's and Megatron-LM's rule)
 
-    world size = dp x pp x tp (x cp)
+    world size = dp x pp x tp x cp        (ep divides dp)
+
+Context and expert parallel compose with data parallel here (cp x dp, ep x dp),
+not with pipeline or tensor parallel, nor with each other: ``validate`` says so
+in one line naming the fix.
 
 The trainer builds one ``Layout`` from its flags and the strategy's record
 (``minifsdp.strategies``), and everything that needs a degree reads it there:
@@ -24,6 +35,8 @@ bench and the planner.
     (2, 2)
     >>> Layout(pp=2, virtual_stages=2).stages
     4
+    >>> Layout(dp=2, cp=2).world_size, Layout(dp=4, ep=2).world_size, Layout(dp=4, ep=2).expert_replicas
+    (4, 4, 2)
 """
 
 from __future__ import annotations
@@ -64,6 +77,11 @@ class Layout:
         return self.dp * self.pp * self.tp * self.cp
 
     @property
+    def expert_replicas(self) -> int:
+        """How many ep groups hold the same experts (expert data parallel): dp / ep."""
+        return self.dp // self.ep
+
+    @property
     def dp_replicate(self) -> int:
         return self.dp // self.shard_size
 
@@ -77,17 +95,30 @@ class Layout:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        """``"dp x pp x tp = 2 x 1 x 2"``: what the world size is the product of."""
+        """``"dp x pp x tp = 2 x 1 x 2"`` (``x cp`` when cp > 1): what the world size is the product of."""
+        if self.cp > 1:
+            return f"dp x pp x tp x cp = {self.dp} x {self.pp} x {self.tp} x {self.cp}"
         return f"dp x pp x tp = {self.dp} x {self.pp} x {self.tp}"
 
     def validate(self, world_size: int | None = None, n_layers: int | None = None, what: str = "this run",
                  model: str = "the model") -> None:
-        """One-line errors that name the fix: degrees >= 1, HSDP's split, the world size, pipeline stages."""
-        for name in ("dp", "pp", "tp", "virtual_stages"):
+        """One-line errors that name the fix: degrees >= 1, HSDP's split, cp and ep's compositions (ep divides
+        dp), the world size, pipeline stages."""
+        for name in ("dp", "pp", "tp", "virtual_stages", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.cp != 1 or self.ep != 1:
-            raise ValueError(f"cp={self.cp}, ep={self.ep}: context and expert parallel are not built yet; use 1")
+        for name in ("cp", "ep"):
+            if getattr(self, name) > 1 and (self.pp > 1 or self.tp > 1 or self.dp_shard is not None):
+                what = {"cp": "context", "ep": "expert"}[name]
+                raise ValueError(f"{what} parallel composes with data parallel only here (--{name} x --dp), not with "
+                                 f"pipeline, tensor parallel or HYBRID_SHARD: use --pp 1 --tp 1, or --{name} 1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError("context and expert parallel together are not built: ring attention splits each sequence "
+                             "while the MoE loss balances whole sequences; use --cp 1 or --ep 1")
+        if self.dp % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the data-parallel degree {self.dp} (expert parallel runs "
+                             f"inside data parallel: each ep group is {self.ep} of the dp ranks); use --world-size a "
+                             f"multiple of {self.ep}, or an --ep that divides {self.dp}")
         if self.dp_shard is not None and (self.dp % 2 or self.dp % self.dp_shard):
             raise ValueError(f"HYBRID_SHARD here is 2 x (N/2) ranks: use an even --world-size, got {self.dp}")
         if world_size is not None and world_size != self.world_size:
@@ -98,6 +129,7 @@ class Layout:
                              "(embed, blocks, head): use fewer stages (--pp / --virtual-stages)")
 
     def mesh_degrees(self) -> dict[str, int]:
-        """The arguments of ``mesh.DeviceMesh``: dp, pp, tp, and dp_shard under HYBRID_SHARD."""
+        """The arguments of ``mesh.DeviceMesh``: dp, pp, tp, dp_shard under HYBRID_SHARD, cp and ep when > 1."""
         extra = {} if self.dp_shard is None else {"dp_shard": self.dp_shard}
+        extra.update({name: getattr(self, name) for name in ("cp", "ep") if getattr(self, name) > 1})
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, **extra}

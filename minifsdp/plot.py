@@ -532,63 +532,100 @@ __all__ += ["mesh_diagram"]
 
 
 def mesh_diagram(mesh: Any, ax: Axes | None = None) -> Figure:
-    """Draw a ``minifsdp.mesh.DeviceMesh``: one panel per pipeline stage, a dp x tp grid of ranks in each.
+    """Draw a ``minifsdp.mesh.DeviceMesh``: one panel per pipeline stage, a dp x (cp x tp) grid of ranks in each.
 
     A row is a tensor-parallel group (its ranks split every layer), a column a
     data-parallel group (same slice, different data); a rank keeps its colour
     per tp index, so a column's ranks, which hold the same weights, match.
+
+    With context parallel (``DeviceMesh(dp=2, cp=2)``) the columns are ``cp x tp``
+    (``cp=c tp=t``): the ranks of one cp group share a row, each holding a share of
+    the same sequences, and a dotted box (a dotted line when tp > 1) joins them.
 
     With HSDP's split (``DeviceMesh(dp=4, dp_shard=2)``) each column's dp
     ranks fall into ``dp_replicate`` shard groups of ``dp_shard`` consecutive
     rows (a node: FSDP shards inside it), each outlined in solid black and
     named on the left; on the right each row names its replicate group (the
     rows with the same index inside their shard group all-reduce across nodes).
+    Expert parallel's split (``DeviceMesh(dp=4, ep=2)``) is drawn the same way in
+    orange: each ep group (``ep`` consecutive dp rows: every expert once, E/ep a
+    rank) outlined, and on the right the edp group of each row (the ranks holding
+    the same experts). Five dimensions: pp panels, dp rows, cp x tp columns, the
+    dp_shard and ep boxes.
     """
     D, P, Tn = mesh.shape
+    C = getattr(mesh, "cp", 1)
     S = getattr(mesh, "dp_shard", None)
+    EP = getattr(mesh, "ep", 1)
+    cols = C * Tn
     gap = 1.0
-    width_units = P * Tn + (P - 1) * gap
-    left, right = (1.6, 2.2) if S is not None else (0.8, 0.1)  # margins for the HSDP labels
-    extra = left + right - 0.9  # 0 without the split: the figure as before
-    fig, ax = _new_axes(ax, (min(COLUMN_WIDTH_IN, 1.1 * (width_units + extra) + 1.6), 0.9 * D + 1.6 + (0.4 if S is not None else 0)))
+    width_units = P * cols + (P - 1) * gap
+    split = S is not None or EP > 1
+    left, right = (1.6, 2.2) if split else (0.8, 0.1)  # margins for the HSDP / ep labels
+    extra = left + right - 0.9  # 0 without a split: the figure as before
+    fig, ax = _new_axes(ax, (min(COLUMN_WIDTH_IN, 1.1 * (width_units + extra) + 1.6),
+                             0.9 * D + 1.6 + (0.4 if split else 0)))
     for p in range(P):
-        x0 = p * (Tn + gap)
-        ax.text(x0 + Tn / 2, -0.45, f"pipeline stage pp={p}" if P > 1 else "all layers", ha="center",
+        x0 = p * (cols + gap)
+        ax.text(x0 + cols / 2, -0.45, f"pipeline stage pp={p}" if P > 1 else "all layers", ha="center",
                 va="bottom", fontsize=9, fontweight="bold")
         for d in range(D):
+            for c in range(C):
+                for t in range(Tn):
+                    x = x0 + c * Tn + t
+                    color = _RANK_COLORS[t % len(_RANK_COLORS)]
+                    ax.add_patch(mpatches.Rectangle((x + 0.05, d + 0.05), 0.9, 0.8, facecolor=color,
+                                                    edgecolor="white"))
+                    ax.text(x + 0.5, d + 0.45, f"rank {mesh.rank_at(d, p, t, c) if C > 1 else mesh.rank_at(d, p, t)}",
+                            ha="center", va="center", fontsize=8, color="white")
+                if Tn > 1:  # the tp group: a bracket around the cp share's tp ranks
+                    ax.add_patch(mpatches.Rectangle((x0 + c * Tn, d), Tn, 0.9, fill=False, edgecolor="#444444",
+                                                    linestyle="--", linewidth=0.8))
+            if C > 1 and Tn == 1:  # the cp group: a dotted box round the row
+                ax.add_patch(mpatches.Rectangle((x0 - 0.03, d - 0.03), cols + 0.06, 0.96, fill=False,
+                                                edgecolor="#2a7f62", linestyle=":", linewidth=2.0))
+            elif C > 1:  # cp ranks are tp apart: a dotted line through each cp group's cells
+                for t in range(Tn):
+                    xs = [x0 + c * Tn + t + 0.5 for c in range(C)]
+                    ax.plot(xs, [d + 0.78] * C, linestyle=":", color="#2a7f62", linewidth=2.0)
+        for c in range(C):
             for t in range(Tn):
-                color = _RANK_COLORS[t % len(_RANK_COLORS)]
-                ax.add_patch(mpatches.Rectangle((x0 + t + 0.05, d + 0.05), 0.9, 0.8, facecolor=color,
-                                                edgecolor="white"))
-                ax.text(x0 + t + 0.5, d + 0.45, f"rank {mesh.rank_at(d, p, t)}", ha="center", va="center",
-                        fontsize=8, color="white")
-            if Tn > 1:  # the tp group: a bracket around the row
-                ax.add_patch(mpatches.Rectangle((x0, d), Tn, 0.9, fill=False, edgecolor="#444444",
-                                                linestyle="--", linewidth=0.8))
-        for t in range(Tn):
-            ax.text(x0 + t + 0.5, D + 0.05, f"tp={t}", ha="center", va="top", fontsize=8)
-            for r in range(D // S if S is not None else 0):  # one shard group: S consecutive dp rows of a column
-                ranks = [mesh.rank_at(d, p, t) for d in range(r * S, (r + 1) * S)]
-                ax.add_patch(mpatches.Rectangle((x0 + t + 0.01, r * S + 0.01), 0.98, S - 0.08, fill=False,
-                                                edgecolor="black", linewidth=1.8, label=f"dp_shard group {ranks}"))
+                x = x0 + c * Tn + t
+                ax.text(x + 0.5, D + 0.05, f"cp={c} tp={t}" if C > 1 else f"tp={t}", ha="center", va="top",
+                        fontsize=8)
+                for run, colour, name in ((S, "black", "dp_shard"), (EP if EP > 1 else None, "#d9822b", "ep")):
+                    for r in range(D // run if run else 0):  # one group: `run` consecutive dp rows of a column
+                        ranks = [mesh.rank_at(d, p, t, c) if C > 1 else mesh.rank_at(d, p, t)
+                                 for d in range(r * run, (r + 1) * run)]
+                        inset = 0.01 if name == "dp_shard" else 0.06
+                        ax.add_patch(mpatches.Rectangle((x + inset, r * run + inset), 1 - 2 * inset,
+                                                        run - 0.08 - 2 * inset + 0.02, fill=False, edgecolor=colour,
+                                                        linewidth=1.8, label=f"{name} group {ranks}"))
     for d in range(D):
         ax.text(-0.1, d + 0.45, f"dp={d}", ha="right", va="center", fontsize=8)
+    labels = []  # (run, colour, left label, right label of row d)
     if S is not None:
-        R = D // S
-        for r in range(R):
-            ax.text(-0.9, r * S + (S - 0.1) / 2, f"shard group {r}\n(node {r})", ha="center", va="center",
-                    rotation=90, fontsize=8, fontweight="bold")
+        labels.append((S, "black", lambda r: f"shard group {r}\n(node {r})", lambda d: f"replicate group {d % S}"))
+    if EP > 1:
+        labels.append((EP, "#d9822b", lambda r: f"ep group {r}\n(E/{EP} a rank)", lambda d: f"edp group {d % EP}"))
+    for i, (run, colour, group_label, row_label) in enumerate(labels):
+        for r in range(D // run):
+            ax.text(-0.9 - 0.5 * i, r * run + (run - 0.1) / 2, group_label(r), ha="center", va="center",
+                    rotation=90, fontsize=8, fontweight="bold", color=colour)
         for d in range(D):
-            ax.text(width_units + 0.15, d + 0.45, f"replicate group {d % S}", ha="left", va="center", fontsize=8,
-                    color=_RANK_COLORS[(d % S + Tn) % len(_RANK_COLORS)])
-    ax.set_xlim(-left, width_units + right)
+            ax.text(width_units + 0.15, d + 0.45 + 0.25 * i, row_label(d), ha="left", va="center", fontsize=8,
+                    color=_RANK_COLORS[(d % run + Tn) % len(_RANK_COLORS)] if colour == "black" else colour)
+    ax.set_xlim(-left - (0.5 if len(labels) > 1 else 0), width_units + right)
     ax.set_ylim(D + 0.5, -0.7)
     ax.set_aspect("equal")
     ax.axis("off")
     hsdp = "" if S is None else (f"\nsolid box = one dp_shard group ({S} ranks: FSDP shards in it)\nsame "
                                  f"replicate group = one dp_replicate group ({D // S} ranks: all-reduce)")
+    experts = "" if EP == 1 else (f"\norange box = one ep group ({EP} ranks: the experts spread, tokens all-to-all)"
+                                  f"\nsame edp group = the same experts ({D // EP} ranks: their gradients summed)")
+    context = "" if C == 1 else f"\ndotted = one context-parallel group ({C} ranks: a share of each sequence)"
     ax.set_title(f"{mesh!r}: {mesh.size()} ranks\ndashed row = one tensor-parallel group, "
-                 f"column = one data-parallel group{hsdp}", fontsize=9)
+                 f"column = one data-parallel group{context}{hsdp}{experts}", fontsize=9)
     return fig
 
 

@@ -81,7 +81,17 @@ def test_layout_rules_and_one_line_errors():
         Layout(dp=2, tp=2).validate(2)
     with pytest.raises(ValueError, match="--tp must be >= 1"):
         Layout(tp=0).validate()
-    with pytest.raises(ValueError, match="context and expert parallel are not built yet"):
-        Layout(cp=2).validate()
+    # cp and ep: cp a factor of the world, ep inside dp (it divides dp), data parallel their only partner
+    assert Layout(dp=2, cp=2).mesh_degrees() == {"dp": 2, "pp": 1, "tp": 1, "cp": 2}
+    assert Layout(dp=4, ep=2).world_size == 4 and Layout(dp=4, ep=2).mesh_degrees()["ep"] == 2
+    with pytest.raises(ValueError, match=r"--ep 4 must divide the data-parallel degree 2 .* use --world-size a "
+                                         "multiple of 4"):
+        Layout(dp=2, ep=4).validate()
+    with pytest.raises(ValueError, match=r"context parallel composes with data parallel only .* use --pp 1 --tp 1"):
+        Layout(cp=2, tp=2).validate()
+    with pytest.raises(ValueError, match=r"expert parallel composes with data parallel only"):
+        Layout(dp=2, ep=2, pp=2).validate()
+    with pytest.raises(ValueError, match=r"dp x pp x tp x cp = 1 x 1 x 1 x 2 ranks: use --world-size 2 \(got 4\)"):
+        Layout(cp=2).validate(4)
     with pytest.raises(ValueError, match="4 x 2 stages but gpt-tiny has 4 layers"):
         Layout(pp=4, virtual_stages=2).validate(n_layers=4, model="gpt-tiny")
