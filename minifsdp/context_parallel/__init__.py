@@ -19,6 +19,8 @@ Read in this order:
    softmax, the backward ring with dK/dV travelling home; bytes per layer.
 5. ``gpt.py`` - ``context_parallel_gpt``: a GPT whose attention is ring
    attention, and the gradient average over the cp group (or DDP / FSDP over it).
+6. ``memory.py`` - what one rank holds: the activations of its T/cp positions
+   (lab 01's terms, without the T^2 probabilities) and the ring's K/V buffers.
 
 API for a trainer::
 
@@ -42,6 +44,7 @@ starts supporting CPU; until then ring attention is compared with full attention
 from .gpt import (ContextParallelAttention, ContextParallelBlock, ContextParallelGPT, all_reduce_gradients,
                   check_context_parallel, context_parallel_gpt, global_loss)
 from .online_softmax import merge_partials, partial_attention, partial_attention_backward, softmax_attention
+from .memory import activation_bytes, ring_buffer_bytes
 from .ring import Ring, Transfer
 from .ring_attention import RingAttention, ring_attention, ring_attention_bytes
 from .split import (SPLITS, attention_work, check_sequence_length, chunks_of, imbalance, num_chunks, pair_kind,
@@ -52,4 +55,5 @@ __all__ = ["context_parallel_gpt", "ContextParallelGPT", "ContextParallelBlock",
            "ring_attention", "RingAttention", "ring_attention_bytes", "Ring", "Transfer",
            "partial_attention", "merge_partials", "softmax_attention", "partial_attention_backward",
            "SPLITS", "num_chunks", "chunks_of", "check_sequence_length", "shard_sequence", "unshard_sequence",
-           "sequence_positions", "pair_kind", "pair_work", "attention_work", "imbalance"]
+           "sequence_positions", "pair_kind", "pair_work", "attention_work", "imbalance",
+           "activation_bytes", "ring_buffer_bytes"]
