@@ -208,7 +208,7 @@ class _State:
         self.module, self.group, self.mp = module, group, mp
         self.name = type(module).__name__  # the module's path, once the root's lazy init knows it
         self.reshard_after_forward = reshard_after_forward
-        self.reshards = reshard_after_forward is not False  # resolved for the root at lazy init
+        self.resolve_reshard(is_root=False)  # resolved again for the root at lazy init
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.is_last_backward = True
@@ -226,8 +226,11 @@ class _State:
         self.callback_queued = False
 
     def resolve_reshard(self, is_root: bool) -> None:
-        """None means True, except for the root: its parameters are the first the backward needs."""
-        self.reshards = (not is_root) if self.reshard_after_forward is None else self.reshard_after_forward is not False
+        """None means True, except for the root: its parameters are the first the backward needs.
+        The int 1 means False, as torch's (pieces for groups of one rank: every rank keeps everything)."""
+        option = self.reshard_after_forward
+        option = False if type(option) is int and option == 1 else option
+        self.reshards = (not is_root) if option is None else option is not False
 
     def lazy_init(self) -> None:
         """The first FSDP module whose forward runs is the root of every FSDP module below it."""
@@ -267,6 +270,8 @@ class _State:
     def post_backward(self) -> None:
         """Every gradient of this module is accumulated: reduce-scatter them (or keep them), reshard."""
         root = self.root
+        if self.reshard_after_backward:
+            self.group.reshard()
         if self.requires_gradient_sync:
             # finish the previous module's reduce-scatter first: it overlapped this module's backward,
             # and at most one module's packed gradients are in flight
@@ -274,8 +279,6 @@ class _State:
             root.pending_reduce = self.group.reduce_grads()
         else:
             self.group.accumulate_unsynced()
-        if self.reshard_after_backward:
-            self.group.reshard()
         self.training = _IDLE
 
     def wait_for_reduce(self) -> None:

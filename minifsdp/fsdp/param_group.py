@@ -13,6 +13,9 @@ All-gather, a block with ``w [5, 3]`` and ``b [5]`` on N = 2 ranks (3 rows each;
     gather    both:    [w0 w1 w2 b0 b1 b2 | w3 w4 . b3 b4 .]     (rank-major)
     copy out  w = rows of each rank's w piece = [w0 .. w4];  b = [b0 .. b4]
 
+The copy-in writes straight into the rank's own slot of the gather's output (an
+in-place all-gather, as torch's): no separate input buffer is ever allocated.
+
 Reduce-scatter of the gradients is the same picture backwards: each rank packs
 its full gradients rank-major (padding rows are zeros), the reduce-scatter sums
 piece r from every rank onto rank r, and each rank keeps the real rows of its
@@ -82,18 +85,20 @@ class FSDPParamGroup:
                 group, members = self.post_forward
                 layouts = [self._post_forward_layout(p) for p in self.params]
                 mine = self._post_forward_shard
+                out = mine.new_empty(members * mine.numel())
             else:
                 group, members = self.shard_group, self.shard_size
                 layouts = [p.layout for p in self.params]
-                mine = torch.empty(sum(lay.numel for lay in layouts), dtype=self.compute_dtype, device=self.device)
+                numel = sum(lay.numel for lay in layouts)
+                # in place, as torch: the copy-in writes this rank's slot of the output, no input buffer
+                out = torch.empty(members * numel, dtype=self.compute_dtype, device=self.device)
+                mine = out[self.shard_rank * numel:(self.shard_rank + 1) * numel]
                 for p, piece in zip(self.params, _split(mine, layouts)):
                     local = p.local_shard().reshape(-1)  # cast to the compute dtype by the copy (mixed precision)
                     piece[:local.numel()].copy_(local)
                     piece[local.numel():].zero_()
-            if members == 1:
-                handle, out = None, mine
-            else:
-                out = mine.new_empty(members * mine.numel())
+            handle = None
+            if members > 1:
                 with comm.annotate(unit=self.name):
                     handle = comm.all_gather_into_tensor(out, mine, group=group, async_op=True)
             self._gather = (handle, out, members, layouts)
