@@ -31,7 +31,7 @@ One training step, followed through this file (states: root and each block)::
     loss.backward()    hook on a block's output grad = pre-backward: unshard the block,
                          prefetch the block whose backward comes next (reverse forward order)
                        every gradient of the block accumulated = post-backward:
-                         reduce-scatter (async; waits for the previous one first), reshard
+                         reshard, reduce-scatter (async; waits for the previous one first)
                        root's callback at the end: finish the last reduce-scatter; reshard the rest
     optim.step()       a plain torch optimizer steps the DTensor shards
 """
@@ -268,7 +268,8 @@ class _State:
                 s.group.unshard(async_op=True)
 
     def post_backward(self) -> None:
-        """Every gradient of this module is accumulated: reduce-scatter them (or keep them), reshard."""
+        """Every gradient of this module is accumulated: reshard (first, as torch: the parameters are freed
+        before the previous reduction finishes), then reduce-scatter the gradients (or keep them)."""
         root = self.root
         if self.reshard_after_backward:
             self.group.reshard()
