@@ -17,7 +17,15 @@ is written down once, in a ``Strategy`` record:
   loss function, the train step (None: the loop's forward and backward), how
   backward skips the gradient sync on the micro-batches before the last
   (``no_sync``: DDP's and FSDP1's method, FSDP2's ``set_requires_gradient_sync``),
-  and which slice of the global batch this rank reads (``data_rank`` of ``data_size``).
+  which slice of the global batch this rank reads (``data_rank`` of ``data_size``),
+  which share of each sequence (``shard``: context parallel), and a gradient sync
+  run once after the last backward (``sync_gradients``: expert parallel).
+* ``check(cfg, layout)``: the record's own one-line refusals (``check_config`` adds
+  the model's: a mixture-of-experts GPT runs on data parallel and expert parallel only).
+
+A MoE GPT's loss is ``lm_loss + model.aux_loss()`` (the load-balancing loss) under every
+strategy: ``Built.loss`` adds the aux losses of the model's MoE layers to ``loss_fn``'s, so
+``metrics.json``'s losses are the same function of the model everywhere (0 added for a dense GPT).
 * ``expected_bytes(cfg, layout)``: what minifsdp's side moves per step, from
   ``estimate`` / ``planner`` (bench's *expected* column); None for torch's.
 
@@ -31,6 +39,7 @@ without the trainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
@@ -41,8 +50,8 @@ from . import dist, models
 from .layout import Layout, virtual_stages_for
 from .mixed_precision import PRECISIONS
 
-__all__ = ["TrainConfig", "Strategy", "Built", "adamw", "apply_checkpointing", "autocast", "pipeline_autocast",
-           "fully_shard_gpt"]
+__all__ = ["TrainConfig", "Strategy", "Built", "RoutingCounter", "adamw", "apply_checkpointing", "autocast",
+           "pipeline_autocast", "fully_shard_gpt"]
 
 
 @dataclass
@@ -81,14 +90,21 @@ class TrainConfig:
     # tensor parallel options (tp, fsdp+tp, 3d)
     tp: int = 2
     sequence_parallel: bool = False
+    # context parallel (cp: x --dp) and expert parallel (ep: inside --world-size data-parallel ranks)
+    cp: int = 2
+    cp_split: str = "zigzag"      # zigzag | naive
+    ep: int = 2
 
 
 @dataclass
 class Built:
     """What a builder hands the loop. ``train_step(x, y) -> loss``: the strategy runs forward and backward
-    itself (None: the loop's ``loss_fn(model(x), y).backward()``). ``no_sync()``: a context in which
+    itself (None: the loop's ``loss(model(x), y).backward()``). ``no_sync()``: a context in which
     backward keeps its gradients local (None: the model's own ``no_sync``, if it has one). ``data_rank`` /
-    ``data_size``: the slice of the global batch this rank reads (None: its own rank of the world)."""
+    ``data_size``: the slice of the global batch this rank reads (None: its own rank of the world).
+    ``shard(t)``: this rank's share of each sequence of ``t`` (ids and targets; context parallel).
+    ``sync_gradients()``: run once per step after the last backward, before the optimizer (expert
+    parallel's gradient all-reduces; None: the wrapper synchronised them during backward)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -97,6 +113,24 @@ class Built:
     data_rank: int | None = None
     data_size: int | None = None
     no_sync: Callable[[], ContextManager] | None = None
+    shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+    sync_gradients: Callable[[], None] | None = None
+
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this rank computes on from the slice it read: every sequence whole, or its share (``shard``)."""
+        return (x, y) if self.shard is None else (self.shard(x), self.shard(y))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` plus the load-balancing losses of the last forward's MoE layers (a MoE GPT's
+        ``lm_loss + model.aux_loss()``, whatever wraps the model); ``loss_fn`` alone for a dense model."""
+        loss = self.loss_fn(logits, targets)
+        aux = [m.aux_loss for m in self.model.modules() if isinstance(m, models.MoE) and m.aux_loss is not None]
+        return loss + torch.stack(aux).sum().to(loss.dtype) if aux else loss
+
+    def finish_backward(self) -> None:
+        """After the step's last backward: the strategy's own gradient sync, if it has one."""
+        if self.sync_gradients is not None:
+            self.sync_gradients()
 
     def micro_batch(self, last: bool) -> ContextManager:
         """--grad-accum: the context of one micro-batch's forward and backward. Every micro-batch but the
@@ -121,6 +155,7 @@ class Strategy:
     checkpoints_split_blocks: bool = False        # --checkpoint wraps tensor parallel's blocks, in the builder
     takes_precision: bool = True                  # --precision / --autocast are wired in
     expected_bytes: Callable[[TrainConfig, Layout], dict[str, Any]] | None = None
+    check: Callable[[TrainConfig, Layout], None] | None = None   # the record's own one-line refusals
     doc: str = ""
 
     @property
@@ -128,15 +163,56 @@ class Strategy:
         return self.implementation == "torch"
 
     def layout(self, cfg: TrainConfig) -> Layout:
-        """The degrees this strategy runs with ``cfg``'s flags (HYBRID_SHARD: 2 x (N/2))."""
-        alone = self.degrees == ("dp",)
+        """The degrees this strategy runs with ``cfg``'s flags (HYBRID_SHARD: 2 x (N/2)). Expert parallel
+        runs inside data parallel: its dp is ``--world-size``, as data parallel's alone, and ``--ep`` divides it."""
+        alone = self.degrees in (("dp",), ("dp", "ep"))
         dp = cfg.world_size if alone else cfg.dp if "dp" in self.degrees else 1
         pp = cfg.pp if "pp" in self.degrees else 1
         tp = cfg.tp if "tp" in self.degrees else 1
+        cp = cfg.cp if "cp" in self.degrees else 1
+        ep = cfg.ep if "ep" in self.degrees else 1
         if "HYBRID_SHARD" in self.sharding_options and cfg.sharding_strategy == "HYBRID_SHARD":
             return Layout.hybrid(dp, pp=pp, tp=tp)
         v = virtual_stages_for(cfg.schedule, cfg.virtual_stages) if "pp" in self.degrees else 1
-        return Layout(dp=dp, pp=pp, tp=tp, virtual_stages=v)
+        return Layout(dp=dp, pp=pp, tp=tp, virtual_stages=v, cp=cp, ep=ep)
+
+    def default_world_size(self, cfg: TrainConfig) -> int:
+        """``--world-size`` when the flag is not given: the layout's, data parallel alone at 2 ranks
+        (expert parallel: at least ``--ep``)."""
+        floor = max(2, cfg.ep) if "ep" in self.degrees else 2
+        return self.layout(dataclasses.replace(cfg, world_size=floor)).world_size
+
+    def check_config(self, cfg: TrainConfig, layout: Layout) -> None:
+        """One-line errors naming the fix for a model or flags this record cannot run (after ``layout.validate``)."""
+        config = models.MODEL_PRESETS[cfg.model]
+        if config.n_expert and not set(self.degrees) <= {"dp", "ep"}:
+            raise ValueError(f"--model {cfg.model} is a mixture of experts, which --strategy {self.name} does not "
+                             "split (pipeline, tensor and context parallel are built for dense GPTs): use data "
+                             "parallel (single, ddp, fsdp, ...) or --strategy ep, or a dense model")
+        if self.check is not None:
+            self.check(cfg, layout)
+
+
+class RoutingCounter:
+    """A MoE GPT's routing, counted on this rank: each MoE layer's kept assignments per expert (this rank's
+    tokens), summed over every forward of the run. A forward hook on each layer, no communication; a dense
+    model has no layer and ``totals()`` is ``{}``. The trainer writes every rank's totals to
+    ``metrics.json`` (``routing``): the load each expert got, and, for ``--strategy ep``, what
+    ``planner.moe_all_to_all_volume`` turns into each rank's all-to-all bytes exactly. (``--checkpoint``
+    re-runs forwards in backward, and they count too.)"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._totals: dict[str, torch.Tensor] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, models.MoE):
+                module.register_forward_hook(functools.partial(self._count, name))
+
+    def _count(self, name: str, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        kept = (module.tokens_per_expert - module.dropped_per_expert).detach().cpu()
+        self._totals[name] = self._totals[name] + kept if name in self._totals else kept
+
+    def totals(self) -> dict[str, list[int]]:
+        return {name: t.tolist() for name, t in self._totals.items()}
 
 
 def adamw(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:

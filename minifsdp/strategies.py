@@ -16,10 +16,13 @@ strategy is adding one record and its builder. Each builder below takes
     tp          Megatron tensor parallel                        (minifsdp.tensor_parallel)
     fsdp+tp     FSDP over --dp replicas of a --tp split model   (minifsdp.mesh)
     3d          --pp stages x --tp split layers x --dp replicas (pipeline + tensor_parallel)
+    cp          ring attention over --cp ranks x --dp replicas  (minifsdp.context_parallel)
+    ep          a MoE GPT's experts over --ep ranks, inside dp  (minifsdp.expert_parallel)
     torch-*     PyTorch's own, for comparison                   (minifsdp.torch_reference)
 
 Every group comes from the layout: HYBRID_SHARD's (``layout.shard_size``; fsdp2's
-2-D mesh, replicate x shard), the pipeline's and tensor parallel's (``DeviceMesh.from_layout``).
+2-D mesh, replicate x shard), the pipeline's, tensor parallel's, context parallel's
+and expert parallel's (``DeviceMesh.from_layout``).
 """
 
 from __future__ import annotations
@@ -258,6 +261,91 @@ def _tensor_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------
+# Context parallel and expert parallel, each x data parallel: groups from the layout's mesh
+# --------------------------------------------------------------------------
+
+def _context_parallel(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # Ring attention inside the mesh's cp groups; every rank of a cp group reads its dp replica's sequences
+    # and keeps its share of each (shard_sequence, ids and targets alike). DDP over every rank (dp x cp: the
+    # world, as pp = tp = 1) averages the gradients: each rank's mean loss is over equal shares.
+    from .context_parallel import context_parallel_gpt, shard_sequence
+    from .ddp import DistributedDataParallel
+    from .mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_layout(layout)
+    cp_model = context_parallel_gpt(model, mesh.get_group("cp"), cfg.cp_split)
+    wrapped = DistributedDataParallel(cp_model, bucket_cap_mb=cfg.bucket_cap_mb)
+    shard = functools.partial(shard_sequence, cp=layout.cp, rank=mesh.get_local_rank("cp"), split=cfg.cp_split)
+    return Built(wrapped, adamw(wrapped.parameters(), cfg), loss_fn=cp_model.loss, shard=shard,
+                 data_rank=mesh.get_local_rank("dp"), data_size=layout.dp)
+
+
+def _expert_parallel(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
+    # Each of the mesh's ep groups spreads the experts (E/ep a rank, in place); every rank reads its own
+    # sequences (ep inside dp). After the step's last backward: replicated gradients averaged over dp, the
+    # experts' summed over the edp group (the ranks holding the same experts) and divided by dp.
+    from .expert_parallel import all_reduce_gradients, expert_parallel_gpt
+    from .mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_layout(layout)
+    expert_parallel_gpt(model, mesh.get_group("ep"))
+    edp = mesh.get_group("edp") if layout.expert_replicas > 1 else None
+    sync = functools.partial(all_reduce_gradients, model, mesh.get_group("ep"), dp_group=mesh.get_group("dp"),
+                             expert_dp_group=edp)
+    return Built(model, adamw(model.parameters(), cfg), sync_gradients=sync,
+                 data_rank=mesh.get_local_rank("dp"), data_size=layout.dp)
+
+
+def _check_context_parallel(cfg: TrainConfig, layout: Layout) -> None:
+    from .context_parallel import SPLITS, check_sequence_length
+
+    if cfg.cp_split not in SPLITS:
+        raise ValueError(f"--cp-split must be one of {', '.join(SPLITS)}, got {cfg.cp_split!r}")
+    if layout.cp < 2:
+        raise ValueError(f"--strategy cp needs --cp >= 2 (got {layout.cp}); with one rank per sequence use ddp")
+    _not_wired(cfg)
+    check_sequence_length(cfg.seq_len or models.MODEL_PRESETS[cfg.model].block_size, layout.cp, cfg.cp_split)
+
+
+def _check_expert_parallel(cfg: TrainConfig, layout: Layout) -> None:
+    from .expert_parallel import check_expert_parallel
+
+    if layout.ep < 2:
+        raise ValueError(f"--strategy ep needs --ep >= 2 (got {layout.ep}); with every expert on every rank use ddp")
+    _not_wired(cfg)
+    check_expert_parallel(models.MODEL_PRESETS[cfg.model], layout.ep)
+
+
+def _not_wired(cfg: TrainConfig) -> None:
+    if cfg.checkpoint != "none":
+        raise ValueError(f"--checkpoint is not wired into --strategy {cfg.strategy} yet: use --checkpoint none")
+
+
+def _context_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """The planner's: the ring's K/V sends and receives (every layer, forward and backward) and DDP's
+    all-reduce of the gradients over dp x cp (no buffers: a context-parallel GPT keeps no mask). Exact."""
+    plan = planner.plan(cfg.model, batch=cfg.batch_size, seq_len=cfg.seq_len, layout=layout, cp_split=cfg.cp_split)
+    return _result(_by_op(plan), cfg)
+
+
+def _expert_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """The planner's: the MoE all-to-alls under the uniform routing (``planner.ep_comm_bytes``: the mean over
+    the ep ranks is exact, each rank's own depends on its routing: ``exact`` False) and the gradient
+    all-reduces (replicated over dp, experts over edp; exact)."""
+    plan = planner.plan(cfg.model, batch=cfg.batch_size, seq_len=cfg.seq_len, layout=layout,
+                        micro_batches=cfg.grad_accum)
+    return {**_result(_by_op(plan), cfg), "exact": False}
+
+
+def _by_op(plan: planner.Plan) -> dict[str, int]:
+    by_op: dict[str, int] = {}
+    for ops in plan.comm.values():
+        for op, b in ops.items():
+            by_op[op] = by_op.get(op, 0) + b
+    return by_op
+
+
+# --------------------------------------------------------------------------
 # The records: the CLI's --strategy names
 # --------------------------------------------------------------------------
 
@@ -285,5 +373,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              expected_bytes=_tensor_parallel_bytes, doc="FSDP x tensor parallel (2D)"),
     Strategy("3d", _three_d, degrees=("dp", "pp", "tp"), own_train_step=True, checkpoints_split_blocks=True,
              doc="pipeline x tensor x data parallel"),
+    Strategy("cp", _context_parallel, degrees=("dp", "cp"), takes_precision=False, check=_check_context_parallel,
+             expected_bytes=_context_parallel_bytes, doc="context parallel (ring attention) x data parallel"),
+    Strategy("ep", _expert_parallel, degrees=("dp", "ep"), sharded_grads=True, takes_precision=False,
+             check=_check_expert_parallel, expected_bytes=_expert_parallel_bytes,
+             doc="expert parallel (MoE all-to-all) inside data parallel"),
     *torch_reference.STRATEGIES.values(),
 )}

@@ -4,11 +4,11 @@ Front layer. The loop is the same whatever the parallelism; a *strategy* is
 a record (``minifsdp.records.Strategy``) whose builder wraps the model and
 builds the optimizer. The records are the ``--strategy`` names:
 ``minifsdp.strategies`` lists minifsdp's (single, ddp-naive, ddp, zero1,
-zero2, fsdp, fsdp2, pp, pp+dp, tp, fsdp+tp, 3d) and ``minifsdp.torch_reference``
+zero2, fsdp, fsdp2, pp, pp+dp, tp, fsdp+tp, 3d, cp, ep) and ``minifsdp.torch_reference``
 PyTorch's own for comparison (torch-ddp, torch-zero1, torch-fsdp, torch-fsdp2,
 torch-pp, torch-tp, torch-fsdp+tp). Each record's ``layout(cfg)`` turns the
-flags into the run's degrees (``minifsdp.layout.Layout``: dp x pp x tp, HYBRID_SHARD's
-2 x (N/2), the pipeline's virtual stages), validated once.
+flags into the run's degrees (``minifsdp.layout.Layout``: dp x pp x tp x cp, ep inside dp,
+HYBRID_SHARD's 2 x (N/2), the pipeline's virtual stages), validated once.
 
 ``--sharding-strategy`` (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)
 applies to fsdp and torch-fsdp; fsdp2 and torch-fsdp2 take all but NO_SHARD.
@@ -53,7 +53,7 @@ from . import data, dist, models, torch_reference, trace
 from .launch import launch
 from .layout import MULTI_STAGE_SCHEDULES
 from .mixed_precision import PRECISIONS, GradScaler, ShardedGradScaler, check_dtype_supported
-from .records import Strategy, TrainConfig, apply_checkpointing, autocast
+from .records import RoutingCounter, Strategy, TrainConfig, apply_checkpointing, autocast
 from .strategies import STRATEGIES
 
 __all__ = ["TrainConfig", "STRATEGIES", "train", "run_rank", "validate", "parse_args", "main"]
@@ -93,6 +93,7 @@ def validate(cfg: TrainConfig) -> None:
     layout = record.layout(cfg)
     layout.validate(cfg.world_size, models.MODEL_PRESETS[cfg.model].n_layer + 2 if pipeline else None,
                     what=f"--strategy {cfg.strategy}", model=cfg.model)
+    record.check_config(cfg, layout)  # a MoE model where it cannot run; cp's sequence split, ep's experts
     if pipeline and cfg.batch_size % (layout.dp * cfg.micro_batches):
         raise ValueError(f"--batch-size {cfg.batch_size} must split into {layout.dp} replica(s) x "
                          f"{cfg.micro_batches} micro-batches: use a multiple of {layout.dp * cfg.micro_batches}")
@@ -169,6 +170,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         with trace.span("wrap"):
             built = record.build(model, cfg, record.layout(cfg))
         model, optimizer = built.model, built.optimizer
+        routing = RoutingCounter(model)  # a MoE model's kept assignments per expert (a hook; {} for a dense one)
         if tracker is not None:
             tracker.track_model(model)
             tracker.track_optimizer(optimizer)
@@ -183,7 +185,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                 for m in range(cfg.grad_accum):
                     x, y = data.get_batch(step, cfg.batch_size, seq_len, seed=cfg.seed, rank=data_rank,
                                           world_size=data_world, micro_step=m, grad_accum=cfg.grad_accum)
-                    x, y = x.to(device), y.to(device)
+                    x, y = built.local_batch(x.to(device), y.to(device))  # cp: this rank's share of each
                     last = m == cfg.grad_accum - 1
                     sync = built.micro_batch(last)  # no gradient sync before the last micro-batch
                     if built.train_step is not None:  # a pipeline runs forward and backward itself
@@ -193,12 +195,13 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                             with (trace.span("forward", step=step, micro=m),
                                   autocast(cfg, device, record.policy_cast)):
                                 logits = model(x)  # 16-bit under a policy or autocast: the loss in fp32
-                                loss = built.loss_fn(logits.float(), y)  # (a no-op in fp32; vocab-parallel CE too)
+                                loss = built.loss(logits.float(), y)  # (a no-op in fp32; + a MoE's aux loss)
                                 loss = loss / cfg.grad_accum
                             with trace.span("backward", step=step, micro=m):
                                 scaler.scale(loss).backward()
                     local += loss.detach()
                 with trace.span("optimizer", step=step):
+                    built.finish_backward()  # ep: gradients all-reduced once the last backward is done
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
@@ -210,7 +213,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                 _progress(step, cfg.steps, losses[-1], step_times[-1])
     report = tracker.report() if tracker is not None else {}
     return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace,
-            "memory": report, "n_params": n_params}
+            "memory": report, "n_params": n_params, "routing": routing.totals()}
 
 
 def _grad_scaler(cfg: TrainConfig, record: Strategy, device: torch.device) -> Any:
@@ -300,6 +303,7 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         "peak_bytes": [r["memory"].get("peak_total") for r in results],
         "peak_by_category": [r["memory"].get("peak_by_category") for r in results],
         "bytes_per_step": [{op: b / cfg.steps for op, b in t.bytes_by_op(within="step").items()} for t in traces],
+        "routing": [r.get("routing", {}) for r in results],  # MoE: per rank, layer -> kept assignments per expert
         "config": dataclasses.asdict(cfg),
     }
     with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
@@ -369,22 +373,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved, zero-bubble)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per model copy (tp, fsdp+tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="shard layer norms along the sequence (tp)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence (cp; x --dp replicas)")
+    p.add_argument("--cp-split", default="zigzag", choices=["zigzag", "naive"], help="how cp cuts each sequence")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (ep, MoE models; divides --world-size)")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
+    flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(a, f.name)}
+    cfg = TrainConfig(**{**flags, "world_size": 2 if a.world_size is None else a.world_size},
+                      track_memory=not a.no_memory)
     record = STRATEGIES.get(a.strategy)  # an unknown name: validate says so
-    # the default --world-size: the layout's, data parallel alone at 2 ranks
-    world = a.world_size if a.world_size is not None else (
-        2 if record is None else record.layout(TrainConfig(world_size=2, sharding_strategy=a.sharding_strategy,
-                                                           pp=a.pp, dp=a.dp, tp=a.tp, schedule=a.schedule,
-                                                           virtual_stages=a.virtual_stages)).world_size)
-    return TrainConfig(strategy=a.strategy, world_size=world, model=a.model, steps=a.steps,
-                       batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, lr=a.lr,
-                       seed=a.seed, out=a.out, track_memory=not a.no_memory, timeout=a.timeout,
-                       sharding_strategy=a.sharding_strategy, wrap=a.wrap, prefetch=a.prefetch,
-                       cpu_offload=a.cpu_offload, pp=a.pp, dp=a.dp, micro_batches=a.micro_batches,
-                       schedule=a.schedule, virtual_stages=a.virtual_stages, tp=a.tp,
-                       sequence_parallel=a.sequence_parallel, checkpoint=a.checkpoint, precision=a.precision,
-                       autocast=a.autocast)
+    if a.world_size is None and record is not None:  # the layout's; data parallel alone at 2 ranks
+        cfg.world_size = record.default_world_size(cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ CLAIMS = {
     "tp": (("tp",), "minifsdp", False, True, False, True),
     "fsdp+tp": (("dp", "tp"), "minifsdp", True, True, False, True),
     "3d": (("dp", "pp", "tp"), "minifsdp", False, False, True, True),
+    "cp": (("dp", "cp"), "minifsdp", False, False, False, False),
+    "ep": (("dp", "ep"), "minifsdp", False, True, False, False),
     "torch-ddp": (("dp",), "torch", False, False, False, False),
     "torch-zero1": (("dp",), "torch", False, False, False, False),
     "torch-fsdp": (("dp",), "torch", True, True, False, False),
@@ -38,6 +40,9 @@ CLI = [
     (["--strategy", "tp", "--tp", "2"], 2), (["--strategy", "fsdp+tp", "--dp", "2", "--tp", "2"], 4),
     (["--strategy", "torch-fsdp+tp", "--dp", "2", "--tp", "2"], 4),
     (["--strategy", "3d", "--pp", "2", "--tp", "2", "--dp", "2"], 8),
+    (["--strategy", "cp"], 2), (["--strategy", "cp", "--cp", "4"], 4), (["--strategy", "cp", "--cp", "2", "--dp", "2"], 4),
+    (["--strategy", "ep", "--model", "gpt-moe-tiny"], 2), (["--strategy", "ep", "--ep", "4"], 4),
+    (["--strategy", "ep", "--ep", "2", "--world-size", "4"], 4),
 ]
 
 
@@ -47,9 +52,9 @@ def test_every_record_claims_what_it_composes():
         got = (record.degrees, record.implementation, record.policy_cast, record.sharded_grads,
                record.own_train_step, record.checkpoints_split_blocks)
         assert got == CLAIMS[name], name
-        assert record.takes_precision == (name != "ddp-naive"), name
+        assert record.takes_precision == (name not in ("ddp-naive", "cp", "ep")), name
         assert (record.expected_bytes is not None) == (name in ("ddp-naive", "ddp", "zero1", "zero2", "fsdp", "fsdp2",
-                                                                "pp", "tp", "fsdp+tp")), name
+                                                                "pp", "tp", "fsdp+tp", "cp", "ep")), name
 
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
@@ -69,6 +74,9 @@ def test_layout_world_size_from_the_cli(argv, world):
         assert (layout.dp_replicate, layout.dp_shard) == (2, 2)
     if "--virtual-stages" in argv:
         assert layout.stages == 4
+    if cfg.strategy in ("cp", "ep"):  # cp: a factor of the world (x --dp); ep: inside dp (dp = --world-size)
+        assert (layout.cp, layout.ep) == ((cfg.cp, 1) if cfg.strategy == "cp" else (1, cfg.ep))
+        assert layout.dp == (cfg.dp if cfg.strategy == "cp" else cfg.world_size)
 
 
 def test_layout_rules_and_one_line_errors():

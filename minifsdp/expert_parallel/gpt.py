@@ -22,8 +22,9 @@ holds its own slice of the global batch, whole sequences, the same number on eve
 
 Then every rank's gradients are those of the global batch's loss, and AdamW steps give the parameters one
 process would have (tests/test_expert_parallel.py: ep = 2 and 4, rel 1e-5). With more data-parallel ranks
-than ep (dp = ep x edp), a second group of the ranks holding the same experts would sum the expert
-gradients before the 1/dp scale; not built here.
+than ep (dp = ep x edp: the trainer's ``--strategy ep --ep 2 --world-size 4``), pass the dp group and the
+expert data-parallel group (the ranks holding the same experts, ``DeviceMesh(dp=4, ep=2)``'s ``edp``):
+replicated gradients are averaged over dp, expert gradients summed over edp and divided by dp.
 
 API for a trainer::
 
@@ -92,24 +93,45 @@ def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def all_reduce_gradients(model: nn.Module, ep_group: ProcessGroup | None = None) -> None:
+def all_reduce_gradients(model: nn.Module, ep_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
+                         expert_dp_group: ProcessGroup | None = None) -> None:
     """The global batch's gradients on every rank: replicated ones averaged over ``ep_group`` (one flat
-    all-reduce), expert ones divided by ep (they already hold every rank's tokens' contributions)."""
-    ep = dist.world_size(ep_group)
-    if ep == 1:
+    all-reduce), expert ones divided by ep (they already hold every rank's tokens' contributions).
+
+    ep inside a larger dp: replicated ones averaged over ``dp_group`` (every data-parallel rank), expert
+    ones summed over ``expert_dp_group`` (the ranks holding the same experts; one flat all-reduce) and
+    divided by dp. There an expert no token reached in its ep group gets a zero gradient before the sum
+    (every rank of the edp group must send the same sizes), so one that no token of the whole batch reached
+    gets a zero gradient where one process leaves None (AdamW then decays it).
+    """
+    group = ep_group if dp_group is None else dp_group
+    dp = dist.world_size(group)
+    if dp == 1:
         return
-    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, ReduceOp.SUM, group=ep_group)
-        flat /= ep
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for p in expert_parameters(model):
+    _all_reduce_flat([p.grad for p in replicated_parameters(model) if p.grad is not None], group)
+    experts = expert_parameters(model)
+    if expert_dp_group is not None and dist.world_size(expert_dp_group) > 1:
+        for p in experts:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _all_reduce_flat([p.grad for p in experts], expert_dp_group, average=False)
+    for p in experts:
         if p.grad is not None:
-            p.grad /= ep
+            p.grad /= dp
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group: ProcessGroup | None, average: bool = True) -> None:
+    """Sum (and average) ``grads`` over ``group`` in one flat all-reduce, in place."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, ReduceOp.SUM, group=group)
+    if average:
+        flat /= dist.world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 @torch.no_grad()
