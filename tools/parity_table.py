@@ -11,6 +11,12 @@ compare: every row's losses must be bit-identical (``==`` on the floats)::
 
 ``--compare`` prints a Markdown table (row, before, after, identical) and
 exits 1 if any row differs. ``--only SUBSTRING`` runs the matching rows.
+``--vs-single`` holds every row to the parity contract instead: its losses
+within tolerance of ``single``'s (fp32 rel 1e-5; bf16 and autocast one bf16
+ulp, 2^-8; fp16 one fp16 ulp, 2^-11: tests/test_train.py, tests/train_helpers.py),
+running ``single`` too if ``--only`` left it out::
+
+    python tools/parity_table.py --out /tmp/parity_fsdp2.json --only fsdp2 --vs-single
 """
 
 from __future__ import annotations
@@ -46,6 +52,13 @@ ROWS: list[tuple[str, str]] = [
     ("fsdp fp16", "--strategy fsdp --world-size 2 --precision fp16"),
     ("fsdp ckpt full", "--strategy fsdp --world-size 2 --checkpoint full"),
     ("fsdp ckpt selective bf16", "--strategy fsdp --world-size 2 --checkpoint selective --precision bf16"),
+    ("fsdp2 FULL_SHARD", "--strategy fsdp2 --world-size 2"),
+    ("fsdp2 bf16", "--strategy fsdp2 --world-size 2 --precision bf16"),
+    ("fsdp2 fp16", "--strategy fsdp2 --world-size 2 --precision fp16"),
+    ("fsdp2 SHARD_GRAD_OP", "--strategy fsdp2 --world-size 2 --sharding-strategy SHARD_GRAD_OP"),
+    ("fsdp2 HYBRID_SHARD x4", "--strategy fsdp2 --world-size 4 --sharding-strategy HYBRID_SHARD"),
+    ("fsdp2 ckpt full", "--strategy fsdp2 --world-size 2 --checkpoint full"),
+    ("fsdp2 grad-accum 2", "--strategy fsdp2 --world-size 2 --grad-accum 2"),
     ("torch-ddp", "--strategy torch-ddp --world-size 2"),
     ("torch-ddp bf16", "--strategy torch-ddp --world-size 2 --precision bf16"),
     ("torch-zero1", "--strategy torch-zero1 --world-size 2"),
@@ -79,6 +92,8 @@ ROWS: list[tuple[str, str]] = [
     ("3d pp2 tp2 ckpt full", "--strategy 3d --pp 2 --tp 2 --dp 1 --checkpoint full"),
 ]
 COMMON = "--model gpt-tiny --steps 3 --batch-size 8 --no-memory"
+# The parity contract's tolerances, relative per step's loss, by the precision a row computes in
+TOLERANCE = {"fp32": 1e-5, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 def run_row(args: str) -> dict:
@@ -104,15 +119,39 @@ def compare(before: dict, after: dict) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def _precision(args: str) -> str:
+    words = args.split()
+    if "--precision" in words:
+        return words[words.index("--precision") + 1]
+    return "bf16" if "--autocast" in words else "fp32"
+
+
+def against_single(results: dict) -> tuple[str, bool]:
+    """Each row's largest relative loss difference from ``single``'s, beside its precision's tolerance."""
+    reference = results["single"]["losses"]
+    lines = ["| run | max relative difference from single | tolerance | within |", "|---|---|---|---|"]
+    ok = True
+    for name, args in ROWS:
+        if name == "single" or name not in results:
+            continue
+        losses, tol = results[name]["losses"], TOLERANCE[_precision(args)]
+        diff = None if losses is None else max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+        within = diff is not None and diff <= tol
+        ok &= within
+        lines.append(f"| {name} | {'-' if diff is None else f'{diff:.2e}'} | {tol:.2e} | {'yes' if within else 'NO'} |")
+    return "\n".join(lines), ok
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--compare", default=None, help="a JSON written by an earlier run: print the table")
     p.add_argument("--only", default=None, help="run only rows whose name contains this")
+    p.add_argument("--vs-single", action="store_true", help="check every row's losses against single's (tolerance)")
     a = p.parse_args()
     results = {}
     for name, args in ROWS:
-        if a.only and a.only not in name:
+        if a.only and a.only not in name and not (a.vs_single and name == "single"):
             continue
         start = time.perf_counter()
         try:
@@ -124,6 +163,10 @@ def main() -> None:
             json.dump(results, f, indent=1)
     if a.compare:
         text, ok = compare(json.load(open(a.compare)), results)
+        print(text)
+        sys.exit(0 if ok else 1)
+    if a.vs_single:
+        text, ok = against_single(results)
         print(text)
         sys.exit(0 if ok else 1)
 
