@@ -27,6 +27,26 @@ def test_prints_and_draws():
     assert sum(t.get_text().startswith("rank ") for t in fig.axes[0].texts) == 8
 
 
+def test_five_dimensions_cp_axis_and_ep_split():
+    m = DeviceMesh(dp=4, pp=2, tp=2, cp=2, ep=2)
+    assert m.world_size == 32 and m.size("cp") == 2 and m.size("ep") == 2 and m.size("edp") == 2
+    for r in range(32):
+        assert m.rank_at(**m.coords(r)) == r
+    assert m.coords(5) == {"dp": 0, "pp": 1, "tp": 1, "cp": 0}
+    assert m.groups("cp")[:2] == [[0, 2], [1, 3]]              # cp between pp and tp: tp ranks apart
+    assert m.groups("ep")[:2] == [[0, 8], [16, 24]] and m.groups("edp")[:2] == [[0, 16], [8, 24]]
+    text = str(m)
+    assert "rank = dp*8 + pp*4 + cp*2 + tp" in text and "cp groups: [0, 2]" in text and "edp groups:" in text
+    fig = plot.mesh_diagram(m)
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert sum(t.startswith("rank ") for t in labels) == 32 and "cp=1 tp=1" in labels
+    assert any(t.startswith("ep group 1") for t in labels) and "edp group 1" in labels
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp=4 \(expert parallel runs inside data parallel"):
+        DeviceMesh(dp=4, ep=3)
+    with pytest.raises(ValueError, match="no 'edp' dimension"):
+        DeviceMesh(dp=4).groups("edp")
+
+
 @pytest.mark.parametrize("kw,msg", [({"dp": 0}, "dp=0"), ({"tp": -1}, "tp=-1"), ({"pp": 1.5}, "pp=1.5"),
                                     ({"dp": 4, "dp_shard": 0}, "dp_shard=0")])
 def test_bad_dimension(kw, msg):
@@ -67,8 +87,9 @@ def test_pipeline_layout_is_the_mesh_with_tp_1(pp, dp):
 def _groups_connect():
     m = DeviceMesh(dp=2, pp=1, tp=2)
     h = DeviceMesh(dp=4, dp_shard=2)
+    c, e = DeviceMesh(dp=2, cp=2), DeviceMesh(dp=4, ep=2)
     out = {}
-    for dim, mesh in (("dp", m), ("tp", m), ("dp_shard", h), ("dp_replicate", h)):
+    for dim, mesh in (("dp", m), ("tp", m), ("dp_shard", h), ("dp_replicate", h), ("cp", c), ("ep", e), ("edp", e)):
         t = torch.tensor([float(dist.rank())])
         comm.all_reduce(t, group=mesh.get_group(dim))
         out[dim] = (t.item(), mesh.get_local_rank(dim))
@@ -87,6 +108,9 @@ def test_groups_connect_the_right_ranks():
     # HSDP's split: shard groups [0,1] [2,3] as tp above, replicate groups [0,2] [1,3] as dp
     assert [o["dp_shard"] for o in outs] == [o["tp"] for o in outs]
     assert [o["dp_replicate"] for o in outs] == [o["dp"] for o in outs]
+    # cp groups [0,1] [2,3] and ep groups [0,1] [2,3] as tp; edp groups [0,2] [1,3] (the same experts) as dp
+    assert [o["cp"] for o in outs] == [o["ep"] for o in outs] == [o["tp"] for o in outs]
+    assert [o["edp"] for o in outs] == [o["dp"] for o in outs]
     assert outs[0]["error"].startswith("DeviceMesh(dp=3, pp=1, tp=2) needs dp*pp*tp = 6 ranks but the world has 4")
 
 

@@ -22,3 +22,31 @@ def run_metrics(tmp_path, strategy, precision="fp32", world_size=None, **kw) -> 
 def fp32_single(tmp_path_factory):
     """``--strategy single`` in fp32: the losses every strategy must reproduce."""
     return run_metrics(tmp_path_factory.mktemp("single"), "single")["losses"]
+
+
+# ---------------------------------------------------------------- several trainer runs in one launch
+import sys  # noqa: E402
+
+import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _run_ranks(cfgs):
+    from minifsdp.train import run_rank
+
+    return [run_rank(cfg) for cfg in cfgs]
+
+
+def train_in_one_launch(cfgs, world_size, timeout=300) -> list[dict]:
+    """``train(cfg)`` for every cfg (all at ``world_size`` ranks), their ranks started once: each rank runs
+    the trainer's loop (``run_rank``) for one cfg after the other, and each cfg's metrics are written as
+    ``train`` writes them (``write_outputs``). Launches cost seconds on 2 cores; the runs share them."""
+    from minifsdp.launch import launch
+    from minifsdp.train import validate, write_outputs
+
+    for cfg in cfgs:
+        assert cfg.world_size == world_size, cfg
+        validate(cfg)
+    per_rank = launch(_run_ranks, world_size, cfgs, timeout=timeout)
+    return [write_outputs(cfg, [ranks[i] for ranks in per_rank]) for i, cfg in enumerate(cfgs)]
