@@ -190,7 +190,13 @@ def _split_cases() -> list[tuple[torch.Tensor, int, str]]:
 def _check_split_case(what: str, split_sizes: Callable, expert: torch.Tensor, ep: int, label: str) -> None:
     n_expert = 8
     where = f"{label}, ep = {ep}"
-    got = call(what, split_sizes, expert.clone(), n_expert, ep)
+    try:
+        got = call(what, split_sizes, expert.clone(), n_expert, ep)
+    except CheckFailed as err:
+        if "is invalid for input of size" in str(err):
+            failed(what, f"{where}: your code raised {str(err).split('raised ', 1)[-1]}: are there E = {n_expert} "
+                         "counts, the experts nobody chose included (zeros)?")
+        raise
     if not (isinstance(got, tuple) and len(got) == 3):
         failed(what, f"split_sizes returned {type(got).__name__}: return (order, counts, send)")
     order, counts, send = got
