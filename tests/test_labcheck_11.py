@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
-from minifsdp import models
+from minifsdp import models, planner
 from minifsdp.expert_parallel import cost
 from minifsdp.labcheck import lab11
 
@@ -259,6 +259,15 @@ def test_cost_formulas_count_what_a_model_holds():
     a2a, ag = (cost.layer_bytes(256, 2, 32, 8, 8, kind) for kind in ("all_to_all", "all_gather"))
     assert ag["tokens"] == 4 * a2a["tokens"] and a2a["routing"] == 7 * 8       # ep / k = 4; 7 counts of 8 B
     assert cost.layer_bytes(256, 2, 32, 8, 1)["total"] == 0
+    for name in ("gpt-moe-tiny", "gpt-moe-small"):                         # the planner's, for the trainer
+        config = models.MODEL_PRESETS[name]
+        layers = sum(config.is_moe_block(i) for i in range(config.n_layer))
+        for ep in (2, 4, 8):
+            blocks, rest = planner.moe_param_counts(config, ep)
+            assert cost.model_states(config, ep)["parameters"] == sum(blocks) + rest
+            for tokens in (96, 1024):
+                mine = cost.layer_bytes(tokens, config.top_k, config.n_embd, config.n_expert, ep)["total"]
+                assert layers * mine == planner.ep_comm_bytes(config, tokens, ep, ring=True)["all_to_all"]
     with pytest.raises(ValueError, match="not divisible"):
         cost.model_states(config, 3)
 

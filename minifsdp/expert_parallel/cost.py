@@ -23,6 +23,11 @@ tests/test_labcheck_11.py hold them to measured runs):
   all-to-all only to the ranks of its k experts. A real routing is not balanced: its bytes are
   ``dispatch.moe_all_to_all_bytes`` of the counts it made.
 
+The all-to-all's figures are the planner's for the trainer's ``ep`` strategy (``planner.moe_param_counts``,
+``planner.ep_comm_bytes(..., ring=True)``, summed over the MoE layers; tests/test_labcheck_11.py holds
+them equal); here they come per layer, split into replicated and expert parameters, beside the
+all-gather's, for one MoE layer's lesson.
+
 >>> from minifsdp.models import MODEL_PRESETS
 >>> layer_bytes(tokens=128, k=2, d=32, n_expert=8, ep=2)         # 4 counts x 8 B + 4 x 128 rows x 128 B
 {'routing': 32, 'tokens': 65536, 'total': 65568}
@@ -75,7 +80,7 @@ def layer_bytes(tokens: int, k: int, d: int, n_expert: int, ep: int, dispatcher:
         raise ValueError(f"n_expert={n_expert} is not divisible by ep={ep}")
     if dispatcher == "all_to_all":
         side = (n_expert - n_expert // ep) * 8
-        rows = 4 * tokens * k * (ep - 1) // ep * d * element_size
+        rows = 4 * tokens * k * (ep - 1) * d * element_size // ep
     elif dispatcher == "all_gather":
         side = 3 * (ep - 1) * tokens * n_expert * element_size
         rows = 4 * (ep - 1) * tokens * d * element_size
