@@ -47,11 +47,14 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from . import dist, models
-from .layout import Layout, virtual_stages_for
+from .layout import MULTI_STAGE_SCHEDULES, Layout, virtual_stages_for
 from .mixed_precision import PRECISIONS
 
 __all__ = ["TrainConfig", "Strategy", "Built", "RoutingCounter", "adamw", "apply_checkpointing", "autocast",
-           "pipeline_autocast", "fully_shard_gpt"]
+           "pipeline_autocast", "fully_shard_gpt", "PIPELINE_SCHEDULES", "CP_SPLITS"]
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+CP_SPLITS = ("zigzag", "naive")  # context_parallel.SPLITS (a leaf of the front cannot import it at load)
 
 
 @dataclass
@@ -181,6 +184,31 @@ class Strategy:
         (expert parallel: at least ``--ep``)."""
         floor = max(2, cfg.ep) if "ep" in self.degrees else 2
         return self.layout(dataclasses.replace(cfg, world_size=floor)).world_size
+
+    @property
+    def option_choices(self) -> tuple[str, ...]:
+        """What a bench side's ``@option`` may be: a pipeline's schedule, context parallel's split, else the
+        sharding strategies the record takes (none: it takes no option)."""
+        if "pp" in self.degrees:
+            return PIPELINE_SCHEDULES
+        return CP_SPLITS if "cp" in self.degrees else self.sharding_options
+
+    def bench_flags(self, world_size: int, option: str | None = None) -> dict[str, Any]:
+        """The trainer's flags that run this record as one side of a bench pair at ``world_size`` ranks
+        (``option``: the side's ``@option``): a pipeline over all of them (m = 2 x pp, v = 2 for interleaved and
+        zero-bubble), tp = world size, fsdp+tp's 2D as (world/2) x 2, cp or ep = world size (cp's split the
+        option), one rank for single (the same total work on one process); else the sharding strategy."""
+        degrees = self.degrees
+        if "pp" in degrees:
+            schedule = option or "1f1b"
+            return dict(world_size=world_size, pp=world_size, schedule=schedule, micro_batches=2 * world_size,
+                        virtual_stages=2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+        if "tp" in degrees:
+            return dict(world_size=world_size, tp=world_size) if degrees == ("tp",) else \
+                dict(world_size=world_size, dp=world_size // 2, tp=2)
+        if "cp" in degrees or "ep" in degrees:
+            return dict(world_size=world_size, cp=world_size, cp_split=option or CP_SPLITS[0], ep=world_size)
+        return dict(world_size=world_size if degrees else 1, sharding_strategy=option or "FULL_SHARD")
 
     def check_config(self, cfg: TrainConfig, layout: Layout) -> None:
         """One-line errors naming the fix for a model or flags this record cannot run (after ``layout.validate``)."""
