@@ -132,7 +132,10 @@ def test_route_library_shortcuts():
 @pytest.mark.parametrize("edits, words", [
     ((("comm.all_to_all_single(grad_in, grad_out.contiguous(), input_split_sizes, output_split_sizes,",
        "comm.all_to_all_single(grad_in, grad_out.contiguous(), output_split_sizes, input_split_sizes,"),),
-     "split sizes swapped"),
+     "the split sizes swap places"),
+    ((("rows = AllToAll.apply(x[token[order]], recv, send, group)", "rows = AllToAll.apply(x[token[order]], send, recv, group)"),),
+     "output_split_sizes are the rows arriving"),
+    ((("    return grad_in, None, None, None\n", "    return grad_in\n"),), "one gradient per input"),
     ((("return rows[by_expert], received.sum(dim=0).tolist(), (order, send, recv, by_expert)",
        "return rows, received.sum(dim=0).tolist(), (order, send, recv, by_expert)"),), "source by source"),
     ((("rows = AllToAll.apply(x[token[order]], recv, send, group)", "rows = AllToAll.apply(x[token], recv, send, group)"),),
@@ -197,6 +200,8 @@ def test_dispatch_library_shortcuts():
 @pytest.mark.parametrize("edits, words", [
     ((("home = AllToAll.apply(outputs[arrived], send, recv, group)", "home = AllToAll.apply(outputs, send, recv, group)"),),
      "undo the grouping"),
+    ((("home = AllToAll.apply(outputs[arrived], send, recv, group)", "home = AllToAll.apply(outputs[arrived], recv, send, group)"),),
+     "swap places"),
     ((("return y.index_add(0, token[order], home * weight[order, None])", "return y.index_add(0, token[order], home)"),),
      "not mixed by the router's weights"),
     ((("return y.index_add(0, token[order], home * weight[order, None])",

@@ -120,8 +120,38 @@ hint = Hints({
 })
 
 
+# -- how a raw torch error reads, in the lab's words -----------------------------------------------------
+_SPLITS = {"dispatch": "the all-to-all's split sizes do not fit its tensors: output_split_sizes are the rows "
+                       "arriving from each rank (what the counts all-to-all told you), input_split_sizes the rows "
+                       "going to each rank (send), and the output has room for exactly the rows that arrive",
+           "combine": "the way back's split sizes do not fit its tensors: each rank returns what it received "
+                      "(recv rows to each rank) and gets back what it sent (send rows from each rank): the split "
+                      "sizes swap places"}
+_TRANSLATIONS = (
+    ("split_sizes", None),
+    ("contiguous", "a tensor handed to the all-to-all is not contiguous in memory: .contiguous() first"),
+    ("incorrect number of gradients", "AllToAll.backward returns one gradient per input of forward: the rows' "
+                                      "gradient, then None for the split sizes and the group"),
+)
+
+
+def _translate(what: str, message: str) -> str | None:
+    for needle, sentence in _TRANSLATIONS:
+        if needle in message and "library" not in message:
+            return sentence or _SPLITS[what]
+    return None
+
+
 def _run(what: str, fn: Callable, world_size: int, *args: Any) -> list:
-    return run(what, fn, world_size, *args, timeout=120)
+    """``verdict.run``, with the raw torch errors a learner meets said in one sentence of the lab."""
+    try:
+        return run(what, fn, world_size, *args, timeout=120)
+    except CheckFailed as err:
+        sentence = _translate(what, str(err))
+        if sentence:
+            failed(what, f"{sentence} ({str(err).split(': ', 1)[-1].split(' (in ')[0]})")
+        raise
+    raise AssertionError("unreachable")
 
 
 # -- exercise 1: the router's top-k and the split sizes, in this process --------------------------------------
@@ -402,8 +432,10 @@ def dispatch(dispatch: Callable, all_to_all_cls: Any) -> None:
             failed(what, f"rank {r}: the rows have no autograd history: send them with your AllToAll (.apply), so "
                          "backward can send their gradients home")
         if error:
-            failed(what, f"rank {r}: your AllToAll's backward raised {error}: the gradient of what arrived goes back "
-                         "to where it came from, the same exchange with the split sizes swapped")
+            sentence = _translate("combine", error) if "split_sizes" in error else _translate(what, error)
+            failed(what, f"rank {r}: your AllToAll's backward raised {error}: " + (
+                sentence or "the gradient of what arrived goes back to where it came from, the same exchange with "
+                            "the split sizes swapped"))
         if out["grad"] is None or not torch.allclose(out["grad"], want_grad, atol=ATOL, rtol=RTOL):
             failed(what, f"rank {r}: x's gradient differs from one process's: backward must send each received "
                          "row's gradient back to the rank that sent the row (the split sizes swap places)")
