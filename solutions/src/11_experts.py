@@ -12,7 +12,7 @@
 # **Prerequisites**: labs 00 (collectives, `launch`), 01 (model states, `16Ψ`), 02
 # (averaging gradients) and 08 (autograd Functions around collectives).
 #
-# **Time**: 60 minutes of work; the cells compute for about 20 seconds on a laptop (CPU,
+# **Time**: 60 minutes of work; the cells compute for about 15 seconds on a laptop (CPU,
 # `gloo`) and about as long on a GPU VM (launches needing more ranks than GPUs use CPU ranks).
 #
 # **Exercises**: 1. the router's top-k and the split sizes · 2. the dispatch · 3. the
