@@ -319,5 +319,8 @@ print(f"under {format_bytes(cap)} per rank, fewest bytes first: "
 # * Combined: TP inside a node × PP across nodes × DP/FSDP over the rest: the mesh of
 #   section 1. The planner says what fits; the tracer and memory tracker confirm it.
 
+# %% [markdown]
+# **Next**: sequences too long for one device? Lab 10 splits each sequence across ranks (context parallel).
+
 # %%
 print(f"notebook ran in {time.perf_counter() - notebook_start:.0f} s")

@@ -330,7 +330,8 @@ ax_w.set_title(f"your work_per_rank: T = {T_LONG:,}, cp = {CP}", fontsize=10)
 ax_w.legend(fontsize=8)
 x = np.arange(zig_run["cp"])
 for i, (name, run) in enumerate((("naive", naive_run), ("zig-zag", zig_run))):
-    ax_m.bar(x + (i - 0.5) * width, run["scores"], width, label=f"{name} (library: {run['library_scores'][0]:,} ...)")
+    ax_m.bar(x + (i - 0.5) * width, run["scores"], width, label=name)
+    ax_m.plot(x + (i - 0.5) * width, run["library_scores"], "k_", ms=16, mew=2, label="library's ring" if i else None)
 ax_m.set_xticks(x)
 ax_m.set_xlabel("rank")
 ax_m.set_ylabel("scores computed, per sample and head")
@@ -391,11 +392,10 @@ print(f"one forward and backward at cp = 1, 2, 4 on 4 CPU ranks: {time.perf_coun
 # NBVAL_CHECK_OUTPUT
 tiny = models.MODEL_PRESETS[MODEL]
 print(f"{MODEL}, B = {B_TINY}, T = {T_TINY}: activations per rank after forward, rank 0")
-print(f"{'cp':>4}{'measured B':>13}{'activation_bytes B':>20}{'diff':>6}   lab 01's full attention at T/cp")
+print(f"{'cp':>4}{'measured B':>13}{'activation_bytes B':>20}{'diff B':>8}")
 for cp, got in memory_runs[0]["activations"].items():
     want = activation_bytes(tiny, B_TINY, T_TINY, cp)["total"]
-    full = estimate.gpt_activation_bytes(tiny, B_TINY, T_TINY // cp)["total"]
-    print(f"{cp:>4}{got:>13,}{want:>20,}{got - want:>6}   {full:,}")
+    print(f"{cp:>4}{got:>13,}{want:>20,}{got - want:>8}")
     assert all(r["activations"][cp] - want == 4 for r in memory_runs), "every rank: the formula + the 4-B loss"
 
 # %% [markdown]
@@ -410,26 +410,31 @@ PSI = estimate.gpt_param_count(BIG)
 CPS = [1, 2, 4, 8, 16, 32]
 
 
+def one_rank(T: int, cp: int) -> dict[str, float]:
+    """One rank's bytes for BIG at (T, cp): model states sharded over the cp ranks, activations, ring buffers."""
+    return {"model states (FSDP over cp)": estimate.model_state_bytes_per_device(
+                PSI, cp, 3, mixed_precision=True, padding=False)["total"],
+            "activations": activation_bytes(BIG, 1, T, cp, "bf16")["total"],
+            "ring K/V buffers": ring_buffer_bytes(1, T, BIG.n_embd, cp, element_size=2)}
+
+
 def memory_per_rank(seq_len: int = 131072, cp: int = 8) -> dict[str, float]:
     """Draw one rank's memory at (T, cp) and the activations per rank against T; return that rank's bytes."""
-    def one_rank(T: int, n: int) -> dict[str, float]:
-        return {"model states (FSDP over cp)": estimate.model_state_bytes_per_device(
-                    PSI, n, 3, mixed_precision=True, padding=False)["total"],
-                "activations": activation_bytes(BIG, 1, T, n, "bf16")["total"],
-                "ring K/V buffers": ring_buffer_bytes(1, T, BIG.n_embd, n, element_size=2)}
     mine = one_rank(seq_len, cp)
     fig, (ax_bar, ax_t) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [1, 2]})
     bottom = 0.0
     for (name, value), color in zip(mine.items(), ("tab:blue", "tab:orange", "tab:green")):
-        ax_bar.bar(0, value / GB, bottom=bottom, color=color, label=f"{name}: {value / GB:,.1f} GB")
+        ax_bar.bar(0, value / GB, bottom=bottom, color=color, width=0.5, label=f"{name}: {value / GB:,.1f} GB")
         bottom += value / GB
-    ax_bar.axhline(80, color="red", lw=1)
+    ax_bar.axhline(80, color="red", lw=1, label="80 GB")
+    ax_bar.set_xlim(-0.5, 0.5)
+    ax_bar.set_ylim(0, 1.6 * max(bottom, 80))
     ax_bar.set_xticks([])
     ax_bar.set_ylabel("GB, one rank")
-    ax_bar.set_title(f"T = {seq_len:,}, cp = {cp}", fontsize=10)
-    ax_bar.legend(fontsize=7, loc="upper right")
+    ax_bar.set_title(f"T = {seq_len:,}, cp = {cp}: {bottom:,.1f} GB", fontsize=10)
+    ax_bar.legend(fontsize=7, loc="upper center")
     for n in CPS:
-        ax_t.plot(TS, [activation_bytes(BIG, 1, T, n, "bf16")["total"] / GB for T in TS], "o-" if n == cp else "-",
+        ax_t.plot(TS, [one_rank(T, n)["activations"] / GB for T in TS], "o-" if n == cp else "-",
                   lw=2.5 if n == cp else 1, label=f"cp = {n}")
     ax_t.plot(TS, [estimate.gpt_activation_bytes(BIG, 1, T, "bf16")["total"] / GB for T in TS], "k:",
               label="cp = 1, T² probabilities kept (lab 01)")
@@ -439,7 +444,7 @@ def memory_per_rank(seq_len: int = 131072, cp: int = 8) -> dict[str, float]:
     ax_t.set_yscale("log")
     ax_t.set_xlabel("sequence length T (tokens)")
     ax_t.set_ylabel("activations per rank (GB)")
-    ax_t.set_title("ring attention, activations per rank", fontsize=10)
+    ax_t.set_title("ring attention: activations per rank", fontsize=10)
     ax_t.legend(fontsize=7, ncol=2)
     plt.tight_layout()
     plt.show()
@@ -453,20 +458,23 @@ widgets.interact(memory_per_rank,
 
 # %%
 # FIGURE
-at_128k = {cp: memory_per_rank(TS[-1], cp) for cp in (1, 8)}   # the same function, called plainly
-for cp, row in at_128k.items():
-    print(f"T = {TS[-1]:,}, cp = {cp}: " + ", ".join(f"{k} {v / GB:,.2f} GB" for k, v in row.items())
-          + f"; {sum(row.values()) / GB:,.1f} GB in all")
-assert at_128k[1]["activations"] / at_128k[8]["activations"] > 7.9, "the text below says cp divides them"
-assert at_128k[8]["ring K/V buffers"] < at_128k[8]["activations"] / 100, "the text below says the buffers are small"
+rows = {cp: one_rank(TS[-1], cp) for cp in CPS}
+fits = next(cp for cp, row in rows.items() if sum(row.values()) < 80 * GB)
+memory_per_rank(TS[-1], fits)                       # the same function, called plainly
+print(f"T = {TS[-1]:,}, GB per rank:{'cp':>4}{'model states':>15}{'activations':>14}{'ring K/V':>11}{'in all':>9}")
+for cp, row in rows.items():
+    print(f"{'':25}{cp:>4}" + "".join(f"{v / GB:>{w},.2f}" for v, w in zip(row.values(), (15, 14, 11)))
+          + f"{sum(row.values()) / GB:>9,.1f}")
+assert fits == 16 and rows[1]["activations"] / rows[16]["activations"] > 15.9, "the text below says so"
+assert all(r["ring K/V buffers"] < r["activations"] / 100 for r in rows.values()), "the text says the buffers are small"
 
 # %% [markdown]
-# *Takeaway: cp divides the activations per rank by cp (every term is per position);
-# the ring's K/V buffers are under 1 % of them.* At 128k tokens one rank would need
-# hundreds of GB; `cp = 8` with FSDP over the same ranks brings the whole rank under
-# 80 GB. What cp does not change: each rank still holds, for one layer at a time, the
-# K/V of a share and the one arriving, and it computes `T²/(2·cp)` pairs per head: the
-# work is split, not reduced.
+# *Takeaway: cp divides the activations per rank by cp (every term is per position); the
+# ring's K/V buffers stay under 1 % of them.* At 128k tokens one device would need about
+# 700 GB; `cp = 16`, with FSDP sharding the model states over the same ranks, is the
+# smallest group whose every rank fits in 80 GB (lab 06's checkpointing would cut the
+# activations further). What cp does not change is the work: each rank still computes
+# about `T²/(2·cp)` query-key pairs per head. It is split, not reduced.
 
 # %% [markdown]
 # ## 6. Optional deep dive: backward, and the bytes of a layer
