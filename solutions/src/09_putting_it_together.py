@@ -321,6 +321,7 @@ print(f"under {format_bytes(cap)} per rank, fewest bytes first: "
 
 # %% [markdown]
 # **Next**: sequences too long for one device? Lab 10 splits each sequence across ranks (context parallel).
+# A mixture of experts' experts too many for one device? Lab 11 spreads them across ranks (expert parallel).
 
 # %%
 print(f"notebook ran in {time.perf_counter() - notebook_start:.0f} s")
