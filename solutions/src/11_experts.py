@@ -563,7 +563,7 @@ assert a2a[-1] < 2 * a2a[1] and row["all_gather"][-1] > 4 * row["all_gather"][2]
 # (replicated ones averaged; an expert's already complete on its rank), and matched one
 # process. The bytes follow the routing exactly, `(ep−1)/ep` of `4·tokens·k` rows per
 # layer when balanced, `ep/k` times less than the all-gather. An unbalanced router
-# drops assignments at any capacity factor; dropless routing pays instead in buffers.
+# drops assignments even at `cf = 1.0`; dropless routing pays instead in buffers.
 
 # %%
 print(f"the whole notebook ran in {time.perf_counter() - notebook_start:.1f} s")
