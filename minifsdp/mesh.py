@@ -121,7 +121,8 @@ class DeviceMesh:
 
     def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, dp_shard: int | None = None, cp: int = 1,
                  ep: int = 1, build_groups: bool | None = None) -> None:
-        sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep} | ({} if dp_shard is None else {"dp_shard": dp_shard})
+        sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}
+        sizes |= {} if dp_shard is None else {"dp_shard": dp_shard}
         for name, n in sizes.items():
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"DeviceMesh: {name}={n!r}; every mesh dimension must be a positive integer "
@@ -182,7 +183,7 @@ class DeviceMesh:
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``: the ranks that differ only in that coordinate, in order."""
-        if dim in _SPLITS:  # cut every dp group into consecutive runs (dp_shard, ep) or strided picks (dp_replicate, edp)
+        if dim in _SPLITS:  # each dp group cut in consecutive runs (dp_shard, ep) or strided picks (dp_replicate, edp)
             s, runs = self._split_size(dim), _SPLITS[dim][1]
             if runs:
                 return [g[i:i + s] for g in self.groups("dp") for i in range(0, len(g), s)]

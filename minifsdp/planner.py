@@ -389,7 +389,7 @@ def _activation_bytes(config: GPTConfig, micro: int, seq_len: int, tp: int, sp: 
     per_tensor = estimate.gpt_layer_activation_breakdown(config, micro, seq_len, dtype)
     if cp > 1:
         per_tensor["attention probs"] = 0
-        per_tensor["ring attention output, lse"] = (micro * seq_len * config.n_embd + micro * config.n_head * seq_len) * elem
+        per_tensor["ring attention output, lse"] = micro * seq_len * (config.n_embd + config.n_head) * elem
     split = {"q, k, v", "attention probs", "attn c_proj input", "gelu input", "mlp c_proj input"}
     if sp:
         split |= {"ln_1 input", "ln_1 mean/rstd", "ln_2 input", "ln_2 mean/rstd"}

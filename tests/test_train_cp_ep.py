@@ -2,7 +2,7 @@
 parity contract and to the planner.
 
 * Parity: metrics.json's losses equal ``--strategy single``'s (fp32, rel 1e-5, as tests/test_train.py) for
-  cp = 2 (zig-zag and naive) and cp = 4 on gpt-tiny, ep = 2 and 4 (dropless) on gpt-moe-tiny, and cp x dp
+  cp = 2 and 4 (zig-zag and naive) on gpt-tiny, ep = 2 and 4 (dropless) on gpt-moe-tiny, and cp x dp
   and ep x dp on 4 ranks. A MoE GPT's loss is lm_loss + aux_loss under both (single included).
 * Bytes: every rank's bytes per step equal the record's expected bytes (the planner's) exactly for cp (the
   ring's K/V and DDP's all-reduce) and for ep's gradient all-reduces; ep's all-to-alls equal
@@ -37,10 +37,14 @@ def _cfg(tmp, name, strategy, world_size, model, **kw):
 RUNS = {
     2: {"cp2-zigzag": ("cp", "gpt-tiny", {"cp": 2}), "cp2-naive": ("cp", "gpt-tiny", {"cp": 2, "cp_split": "naive"}),
         "ep2": ("ep", "gpt-moe-tiny", {"ep": 2}),
+        # --grad-accum: cp's DDP skips the sync before the last micro-batch, ep syncs once after the last backward
+        "cp2-accum": ("cp", "gpt-tiny", {"cp": 2, "grad_accum": 2}),
+        "ep2-accum": ("ep", "gpt-moe-tiny", {"ep": 2, "grad_accum": 2}),
         # the planner's memory: activation-dominated (cp) and expert-dominated (ep) peaks, 2 steps
         "cp2-mini-memory": ("cp", "gpt-mini", {"cp": 2, "seq_len": 64, "steps": 2, "track_memory": True}),
         "ep2-small-memory": ("ep", "gpt-moe-small", {"ep": 2, "seq_len": 64, "steps": 2, "track_memory": True})},
-    4: {"cp4-zigzag": ("cp", "gpt-tiny", {"cp": 4}), "cp2xdp2": ("cp", "gpt-tiny", {"cp": 2, "dp": 2}),
+    4: {"cp4-zigzag": ("cp", "gpt-tiny", {"cp": 4}), "cp4-naive": ("cp", "gpt-tiny", {"cp": 4, "cp_split": "naive"}),
+        "cp2xdp2": ("cp", "gpt-tiny", {"cp": 2, "dp": 2}),
         "ep4": ("ep", "gpt-moe-tiny", {"ep": 4}), "ep2xdp2": ("ep", "gpt-moe-tiny", {"ep": 2})},
 }
 
@@ -56,7 +60,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp_ep")
     out = {}
     for world, specs in RUNS.items():
-        cfgs = [_cfg(tmp, name, strategy, world, model, **dict(opts)) for name, (strategy, model, opts) in specs.items()]
+        cfgs = [_cfg(tmp, name, strategy, world, model, **dict(opts))
+                for name, (strategy, model, opts) in specs.items()]
         out.update({name: (cfg, m) for name, cfg, m in zip(specs, cfgs, train_in_one_launch(cfgs, world, timeout=400))})
     return out
 
@@ -92,7 +97,8 @@ def test_ep_bytes_exact_from_the_routing_and_the_uniform_plan_on_average(runs, n
     cfg, m = runs[name]
     layout = _layout(cfg)
     config = models.MODEL_PRESETS[cfg.model]
-    plan = planner.plan(cfg.model, batch=cfg.batch_size, seq_len=cfg.seq_len, layout=layout)
+    plan = planner.plan(cfg.model, batch=cfg.batch_size, seq_len=cfg.seq_len, layout=layout,
+                        micro_batches=cfg.grad_accum)
     uniform = plan.comm["ep"]["all_to_all"]
     tokens = cfg.batch_size // layout.dp * (cfg.seq_len or config.block_size)
     for rank, moved in enumerate(m["bytes_per_step"]):
@@ -102,7 +108,8 @@ def test_ep_bytes_exact_from_the_routing_and_the_uniform_plan_on_average(runs, n
         for layer, kept in m["routing"][rank].items():
             assert sum(kept) == cfg.steps * tokens * config.top_k  # dropless: every assignment kept
             counts = torch.tensor([m["routing"][r][layer] for r in group])
-            exact += planner.moe_all_to_all_volume(counts, rank % layout.ep, config.n_embd, forwards=cfg.steps)
+            exact += planner.moe_all_to_all_volume(counts, rank % layout.ep, config.n_embd,
+                                                   forwards=cfg.steps * cfg.grad_accum)
         assert moved["all_to_all"] == pytest.approx(exact / cfg.steps, rel=1e-12, abs=0), (rank, moved)
         # how far one rank's routing takes it from the uniform plan: measured 1 % to 15 % (README table)
         print(f"{name} rank {rank}: all_to_all {moved['all_to_all']:.0f} B/step, uniform plan {uniform}, "
