@@ -111,6 +111,7 @@ def test_every_preset_validates_with_its_default_model(tmp_path, preset):
     ("fsdp@HALF_SHARD:torch-fsdp", "unknown option 'HALF_SHARD' for fsdp"),
     ("torch-fsdp2@NO_SHARD:fsdp", "choose from: FULL_SHARD, SHARD_GRAD_OP"),
     ("ddp@FULL_SHARD:torch-ddp", "'ddp' takes no @option"),
+    ("cp@ring:single", "unknown option 'ring' for cp in --pairs; choose from: zigzag, naive"),
     ("ddp", "a pair is ours:theirs"),
 ])
 def test_bench_rejects_bad_pairs(tmp_path, pair, message):
