@@ -63,7 +63,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from . import dist, trace
 
-__all__ = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
+__all__ = ["all_reduce", "all_reduce_flat", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
            "reduce_scatter", "broadcast", "reduce", "all_to_all_single", "send", "recv", "isend", "irecv", "barrier",
            "Handle", "ReduceOp", "annotate", "annotations", "collective_bytes", "pad_to_multiple"]
 
@@ -211,6 +211,25 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
     start = time.perf_counter()
     work = tdist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return _record("all_reduce", work, start, tensor.numel() * tensor.element_size(), group, async_op, tensor)
+
+
+@torch.no_grad()
+def all_reduce_flat(tensors: list[torch.Tensor], group: ProcessGroup | None = None, average: bool = False) -> None:
+    """Sum (``average``: then divide by the group's size) many tensors in one all-reduce, in place.
+
+    One call of the concatenated tensors instead of one per tensor (each collective has a fixed
+    cost); the sums are copied back. r0 [[1], [2, 3]], r1 [[3], [4, 5]] -> both [[4], [6, 8]].
+    """
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, ReduceOp.SUM, group=group)
+    if average:
+        flat /= dist.world_size(group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None,

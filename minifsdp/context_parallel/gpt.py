@@ -140,16 +140,8 @@ def context_parallel_gpt(model: models.GPT, cp_group: ProcessGroup | None = None
 @torch.no_grad()
 def all_reduce_gradients(module: nn.Module, group: ProcessGroup | None = None) -> None:
     """Average every parameter's gradient over ``group`` (the cp group, or dp x cp), in one flat all-reduce."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads or dist.world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, ReduceOp.SUM, group=group)
-    flat /= dist.world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if dist.world_size(group) > 1:
+        comm.all_reduce_flat([p.grad for p in module.parameters() if p.grad is not None], group, average=True)
 
 
 @torch.no_grad()

@@ -108,30 +108,16 @@ def all_reduce_gradients(model: nn.Module, ep_group: ProcessGroup | None = None,
     dp = dist.world_size(group)
     if dp == 1:
         return
-    _all_reduce_flat([p.grad for p in replicated_parameters(model) if p.grad is not None], group)
+    comm.all_reduce_flat([p.grad for p in replicated_parameters(model) if p.grad is not None], group, average=True)
     experts = expert_parameters(model)
     if expert_dp_group is not None and dist.world_size(expert_dp_group) > 1:
         for p in experts:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        _all_reduce_flat([p.grad for p in experts], expert_dp_group, average=False)
+        comm.all_reduce_flat([p.grad for p in experts], expert_dp_group)
     for p in experts:
         if p.grad is not None:
             p.grad /= dp
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group: ProcessGroup | None, average: bool = True) -> None:
-    """Sum (and average) ``grads`` over ``group`` in one flat all-reduce, in place."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, ReduceOp.SUM, group=group)
-    if average:
-        flat /= dist.world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 @torch.no_grad()
