@@ -45,7 +45,7 @@ from ..fsdp import FullyShardedDataParallel, naive
 from ..fsdp.flat_param import FlatParamHandle
 from ..memory import MemoryTracker
 from .authorship import Wire, watched
-from .verdict import CheckFailed, Hints, call, failed, passed, require_own, run
+from .verdict import Hints, call, failed, passed, require_own, run, run_explained
 
 __all__ = ["flat_shard", "fsdp_forward", "fsdp_backward", "hint", "results", "LIBRARY", "PEAK_MARGIN"]
 
@@ -117,21 +117,9 @@ _TRANSLATIONS = (
 )
 
 
-def _translate(what: str, err: CheckFailed) -> None:
-    message = str(err)
-    for needle, sentence in _TRANSLATIONS:
-        if needle in message and "library" not in message:
-            failed(what, sentence)
-    raise err
-
-
 def _run(what: str, fn: Callable, world_size: int, *args: Any) -> list:
     """``verdict.run``, with the raw torch errors a learner meets said in one sentence of the lab."""
-    try:
-        return run(what, fn, world_size, *args, timeout=120)
-    except CheckFailed as err:
-        _translate(what, err)
-    raise AssertionError("unreachable")
+    return run_explained(what, fn, world_size, *args, translations=_TRANSLATIONS)
 
 
 def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:

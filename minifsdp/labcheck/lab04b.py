@@ -44,7 +44,7 @@ from .. import data, dist, models, trace
 from ..fsdp import FullyShardedDataParallel, naive
 from ..fsdp.flat_param import FlatParamHandle
 from .authorship import Wire, watched
-from .verdict import CheckFailed, Hints, call, check_world, failed, figures, passed, require_own, run
+from .verdict import Hints, call, check_world, failed, figures, passed, require_own, run_explained
 
 __all__ = ["shard_param", "unshard", "reduce_scatter_grads", "post_backward", "hint", "results", "LIBRARY"]
 
@@ -162,21 +162,9 @@ def _beside(label: str, yours: str, target: str, library: str) -> str:
     return f"{label}: yours {yours}, target {target}, library (fully_shard) {library}"
 
 
-def _translate(what: str, err: CheckFailed) -> None:
-    message = str(err)
-    for needle, sentence in _TRANSLATIONS:
-        if needle in message and "library" not in message:
-            failed(what, sentence)
-    raise err
-
-
 def _run(what: str, fn: Callable, world_size: int, *args: Any) -> list:
     """``verdict.run``, with the raw torch errors a learner meets said in one sentence of the lab."""
-    try:
-        return run(what, fn, world_size, *args, timeout=120)
-    except CheckFailed as err:
-        _translate(what, err)
-    raise AssertionError("unreachable")
+    return run_explained(what, fn, world_size, *args, translations=_TRANSLATIONS)
 
 
 # -- the layout, computed here (never handed to the learner) ------------------------------------------------

@@ -174,6 +174,23 @@ def run(what: str, fn: Callable[..., Any], world_size: int, *args: Any, timeout:
     raise AssertionError("unreachable")
 
 
+def run_explained(what: str, fn: Callable[..., Any], world_size: int, *args: Any,
+                  translations: tuple[tuple[str, str], ...], timeout: float = 120.0) -> list:
+    """``run``, with the raw torch errors a learner meets said in one sentence of the lab.
+
+    ``translations`` pairs a piece of torch's message with the lab's sentence for it; a verdict
+    that already names the library (a shortcut) is left as it is.
+    """
+    try:
+        return run(what, fn, world_size, *args, timeout=timeout)
+    except CheckFailed as err:
+        message = str(err)
+        for needle, sentence in translations:
+            if needle in message and "library" not in message:
+                failed(what, sentence)
+        raise
+
+
 def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args)`` in this process, an unfinished exercise or a crash turned into one sentence."""
     try:
