@@ -149,3 +149,11 @@ def require_initialized(what: str) -> None:
         raise RuntimeError(
             f"{what} needs a process group: call it inside minifsdp.launch(fn, world_size) "
             "or after minifsdp.dist.init() / torch.distributed.init_process_group() (torchrun)")
+
+
+def require_module(module: object, what: str) -> None:
+    """Raise a one-line error naming the fix when a wrapper is handed something that is not a module
+    (else an AttributeError surfaces from deep inside the wrapper)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{what} wraps a torch.nn.Module, got {type(module).__name__}; pass the model (or block) "
+                        "itself")

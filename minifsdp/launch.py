@@ -44,6 +44,7 @@ import contextlib
 import datetime
 import faulthandler
 import json
+import math
 import multiprocessing as mp
 import multiprocessing.spawn as mp_spawn
 import os
@@ -336,6 +337,9 @@ def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> No
         raise TypeError(f"launch(fn, world_size): fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU ranks), 'nccl' (one GPU per rank) or None (NCCL when every "
+                         f"rank gets a GPU, else gloo), got {backend!r}")
     if backend == "nccl" and world_size > dist.gpu_count():
         gpus = dist.gpu_count()
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs with NCCL (one per rank) and this "
@@ -345,8 +349,9 @@ def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> No
     if world_size > limit:
         raise ValueError(f"world_size={world_size} is more than this machine runs sensibly ({os.cpu_count()} CPU "
                          f"cores: at most {limit}); use world_size <= {limit}, or torchrun across machines for more")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    # a string or NaN would otherwise reach the wait loop: a TypeError there, or a launch that never times out
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be positive, finite seconds (e.g. timeout=120), got {timeout!r}")
 
 
 def _collect(procs: list, results: "mp.Queue", timeout: float) -> dict[int, tuple]:

@@ -92,12 +92,15 @@ class GPTConfig:
     capacity_factor: float | None = None  # None: dropless; else expert_capacity() per expert per sequence
 
     def __post_init__(self) -> None:
+        sizes = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+        bad = [f"{name}={getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
+        if bad:
+            raise ValueError(f"GPTConfig sizes must be positive integers, got {', '.join(bad)}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
-            )
-        if min(self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab_size) < 1:
-            raise ValueError(f"every size in {self} must be positive")
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head} (each head gets "
+                             f"n_embd / n_head features); choose n_head among {_divisors(self.n_embd)}")
+        if not 0.0 <= self.dropout < 1.0:  # nn.Dropout would refuse it later, inside the model's constructor
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1): the probability of zeroing an activation")
         if self.n_expert < 0 or self.moe_every < 1:
             raise ValueError(f"n_expert={self.n_expert} must be >= 0 and moe_every={self.moe_every} >= 1")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
@@ -109,6 +112,11 @@ class GPTConfig:
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has a ``MoE`` layer instead of a FeedForward (the last of every ``moe_every``)."""
         return self.n_expert > 0 and (i + 1) % self.moe_every == 0
+
+
+def _divisors(n: int) -> list[int]:
+    """The head counts that split ``n`` features evenly (for the error message)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class CausalSelfAttention(nn.Module):

@@ -120,6 +120,10 @@ def check_context_parallel(model: nn.Module, split: str) -> None:
         raise TypeError(f"context_parallel_gpt takes a minifsdp.models.GPT, got {type(model).__name__}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} (zig-zag balances the causal mask), got {split!r}")
+    if model.config.n_expert:  # each rank would balance its experts over its chunk, not the whole sequence
+        raise ValueError(f"context parallel is built for dense GPTs, and this one has n_expert="
+                         f"{model.config.n_expert}: its load-balancing loss needs whole sequences; use a dense model "
+                         "(gpt-tiny, gpt-small) or train this one with expert parallel (expert_parallel_gpt)")
     if model.config.dropout > 0:
         raise ValueError(f"context parallel here needs dropout=0 (got {model.config.dropout}): ring attention has "
                          "no dropout and per-rank random streams are not built")

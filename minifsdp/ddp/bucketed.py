@@ -163,6 +163,10 @@ class BucketedDataParallel(nn.Module):
                  bucket_cap_mb: float | None = None):
         super().__init__()
         dist.require_initialized(type(self).__name__)
+        dist.require_module(module, type(self).__name__)
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:  # before the wrap-time broadcast, not after it
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; torch's default is 25 (or leave "
+                             "it None)")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"{type(self).__name__}: the module has no parameter that requires a gradient; "

@@ -76,6 +76,7 @@ class DistributedDataParallel(BucketedDataParallel):
                  mixed_precision: Any = None, device_mesh: Any = None,
                  skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[int] | None = None,
                  batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None):
+        dist.require_module(module, "DistributedDataParallel")
         _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce,
                             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
@@ -184,7 +185,8 @@ def _reduce_dtype_of(mp: Any, gradient_as_bucket_view: bool) -> torch.dtype | No
     if mp is None:
         return None
     if not isinstance(mp, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a minifsdp.mixed_precision.MixedPrecision, got {type(mp).__name__}")
+        raise TypeError(f"mixed_precision must be a minifsdp.mixed_precision.MixedPrecision, got {type(mp).__name__}; "
+                        "pass e.g. MixedPrecision(reduce_dtype=torch.bfloat16)")
     if mp.param_dtype is not None or mp.buffer_dtype is not None:
         raise NotImplementedError("DistributedDataParallel's mixed_precision sets only reduce_dtype (the all-reduce's "
                                   "dtype); compute in 16 bits with torch.autocast (minifsdp.mixed_precision.autocast)")

@@ -47,6 +47,7 @@ class NaiveDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None):
         super().__init__()
         dist.require_initialized("NaiveDataParallel")
+        dist.require_module(module, "NaiveDataParallel")
         self.module = module
         self.process_group = process_group
         self.require_backward_grad_sync = True

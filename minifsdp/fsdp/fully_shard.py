@@ -77,6 +77,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     dist.require_initialized("fully_shard")
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("minifsdp's fully_shard takes one module; call it once per module")
+    dist.require_module(module, "fully_shard")
+    # else an AttributeError deep inside (a dtype for mp_policy), or offloading silently off (True)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard's mp_policy takes a MixedPrecisionPolicy, got {mp_policy!r}; pass e.g. "
+                        "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard's offload_policy takes an OffloadPolicy, got {offload_policy!r}; pass "
+                        "CPUOffloadPolicy() to offload, or leave it out")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; call it once per "
                          "module: each block first, then the root")

@@ -45,7 +45,7 @@ from . import state_dict as sd
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import UNSHARDED_GRADS, FlatParamHandle, label
 from .params import install_optimizer_check, managed_buffers, managed_params, materialize_meta
-from .strategy import HYBRID, groups, resolve_mixed_precision, resolve_offload, resolve_strategy
+from .strategy import HYBRID, check_arguments, groups, resolve_mixed_precision, resolve_offload, resolve_strategy
 from .unit import WRAPPED, FSDPUnit, TrainingState, units
 from .wrap import ModuleWrapPolicy, _recursive_wrap
 
@@ -111,6 +111,7 @@ class FullyShardedDataParallel(sd.StateDictMethods, FSDPUnit):
                  move_grads_to_cpu: bool | None = None, device_mesh: Any = None):
         super().__init__()
         dist.require_initialized("FullyShardedDataParallel")
+        check_arguments(module, sharding_strategy, backward_prefetch, auto_wrap_policy, device_id)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
         install_optimizer_check()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..mixed_precision.policy import check_policy_dtypes
+
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
 
 
@@ -44,6 +46,10 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        check_policy_dtypes("MixedPrecisionPolicy", param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                            output_dtype=self.output_dtype)
 
 
 @dataclass

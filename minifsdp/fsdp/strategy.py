@@ -43,12 +43,37 @@ import torch.distributed as tdist
 from .. import dist
 from ..mesh import DeviceMesh
 from ..mixed_precision.policy import from_fairscale, resolve
-from .api import CPUOffload, MixedPrecision, ShardingStrategy
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["HYBRID", "resolve_strategy", "resolve_mixed_precision", "resolve_offload", "groups", "mesh_groups",
            "devices_per_node", "init_hybrid_groups"]
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def check_arguments(module: Any, sharding_strategy: Any, backward_prefetch: Any, auto_wrap_policy: Any,
+                    device_id: Any) -> None:
+    """FullyShardedDataParallel's arguments, checked before any group is built or collective runs: one line
+    naming the fix where torch would fail deep inside, or silently ignore a string that names no member."""
+    dist.require_module(module, "FullyShardedDataParallel")
+    _check_member(sharding_strategy, ShardingStrategy, "sharding_strategy")
+    _check_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+    if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+        raise TypeError(f"auto_wrap_policy must be a policy (module, recurse, nonwrapped_numel) -> bool, got "
+                        f"{type(auto_wrap_policy).__name__}; for a set of classes pass ModuleWrapPolicy({{Block}})")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device_id={device_id!r} is a CUDA device and CUDA is not available here; leave "
+                         "device_id=None (FSDP then computes on dist.device())")
+
+
+def _check_member(value: Any, enum_cls: type, name: str) -> None:
+    if value is None or isinstance(value, enum_cls):
+        return
+    members = [m for m in enum_cls.__members__ if not m.startswith("_")]
+    hint = (f"{enum_cls.__name__}.{value}" if value in members
+            else "one of " + ", ".join(f"{enum_cls.__name__}.{m}" for m in members))
+    raise TypeError(f"{name} takes a {enum_cls.__name__} member, got {value!r}; pass {hint}")
 
 
 def resolve_strategy(strategy: ShardingStrategy, reshard_after_forward: bool | None) -> ShardingStrategy:
@@ -105,7 +130,8 @@ def groups(process_group: Any, strategy: ShardingStrategy, device: torch.device,
                              "(then: shard inside each node, see init_hybrid_groups)")
         return init_hybrid_groups(devices_per_node(device))
     if isinstance(process_group, tuple):
-        raise ValueError(f"a (shard, replicate) group pair is for HYBRID_SHARD, not {strategy.name}")
+        raise ValueError(f"a (shard, replicate) group pair is for HYBRID_SHARD, not {strategy.name}; pass one group, "
+                         "or sharding_strategy=ShardingStrategy.HYBRID_SHARD")
     group = process_group if process_group is not None else tdist.group.WORLD
     return (None, group) if strategy == ShardingStrategy.NO_SHARD else (group, None)
 

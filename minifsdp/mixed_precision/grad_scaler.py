@@ -113,6 +113,9 @@ class GradScaler:
     def __init__(self, device: str | torch.device | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True) -> None:
+        if not 0.0 < init_scale < float("inf"):  # a zero scale zeroes every gradient; inf makes every step overflow
+            raise ValueError(f"init_scale must be a positive, finite loss scale, got {init_scale}; torch's default "
+                             "is 2.0**16")
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor must be > 1.0 (it multiplies the scale after clean steps), "
                              f"got {growth_factor}")

@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_map
 
 __all__ = ["MixedPrecision", "LOW_PRECISION", "from_fairscale", "resolve", "cast_floating", "keep_fp32",
            "check_dtype_supported", "autocast", "autocast_dtype", "needs_loss_scaling", "format_info",
-           "format_table", "PRECISIONS", "policy_for", "warn_if_unnecessary_scaler"]
+           "format_table", "PRECISIONS", "policy_for", "warn_if_unnecessary_scaler",
+           "check_policy_dtypes"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,10 +87,23 @@ class MixedPrecision:
     cast_root_forward_inputs: bool = True
     _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
+    def __post_init__(self) -> None:
+        check_policy_dtypes("MixedPrecision", param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                            buffer_dtype=self.buffer_dtype)
+
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in (``reduce_dtype``, else ``param_dtype``)."""
         return self.reduce_dtype or self.param_dtype
+
+
+def check_policy_dtypes(policy: str, **dtypes: Any) -> None:
+    """A policy's dtypes are floating ``torch.dtype``s or None: one line naming the fix at construction,
+    instead of a failure at the first cast (a string such as "bf16", an integer dtype)."""
+    for name, dtype in dtypes.items():
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{policy}({name}={dtype!r}): a policy dtype is a floating torch.dtype or None; pass "
+                            f"e.g. {name}=torch.bfloat16")
 
 
 def from_fairscale(mixed_precision: bool = False, fp32_reduce_scatter: bool = False,
@@ -126,7 +140,8 @@ def resolve(mp: MixedPrecision | bool | None) -> MixedPrecision | None:
     if mp is False or mp is None:
         return None
     if not isinstance(mp, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a MixedPrecision, True or None, got {type(mp).__name__}")
+        raise TypeError(f"mixed_precision must be a MixedPrecision, True or None, got {type(mp).__name__}; pass "
+                        "e.g. MixedPrecision(param_dtype=torch.bfloat16)")
     return mp
 
 

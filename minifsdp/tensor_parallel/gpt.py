@@ -172,6 +172,9 @@ def tensor_parallel_gpt(model: models.GPT, sequence_parallel: bool = False) -> P
     """This rank's tensor-parallel copy of ``model`` (call ``initialize_model_parallel`` first)."""
     if not isinstance(model, models.GPT):
         raise TypeError(f"tensor_parallel_gpt takes a minifsdp.models.GPT, got {type(model).__name__}")
+    if model.config.n_expert:  # ParallelMLP splits a FeedForward; a MoE layer has none to split
+        raise ValueError(f"tensor parallel is built for dense GPTs, and this one has n_expert={model.config.n_expert}; "
+                         "use a dense model (gpt-tiny, gpt-small) or split the experts with expert_parallel_gpt")
     return ParallelGPT(model, sequence_parallel)
 
 
