@@ -30,12 +30,19 @@ How it works, and why each piece is there:
   that each run as many threads as the machine has cores fight over them,
   and every op waits for its slowest thread (README's measurement notes).
 * **Nothing hangs, nothing is left behind.** Each worker reports ``("ok",
-  result)`` or ``("error", traceback)`` through a queue. On the first error
-  the others get a short grace period to report (so the *root cause* wins
-  over a peer's "Connection reset by peer"), then every worker is stopped.
-  A deadline stops a stuck run and says which ranks were still running and
-  where they were (a ``faulthandler`` stack dump). Workers also watch their
-  parent and exit if it dies.
+  result)`` or ``("error", traceback)`` through a queue; a worker that dies
+  without a word (a signal, ``os._exit``) is noticed by its exit code. On the
+  first failure the others get a short grace period to report (so the *root
+  cause* wins over a peer's "Connection reset by peer"), then every worker is
+  stopped. A deadline stops a stuck run. Workers also watch their parent and
+  exit if it dies.
+* **One message that names the rank and the cause** (``faults.py``): each
+  worker leaves a ``faulthandler`` stack (at the deadline, or on a crash) and
+  its current collective (``flight_recorder.py``) in the run's folder, so the
+  report says which rank is stuck and where, which collective the others wait
+  in, and which collective each rank was in when they disagree.
+  ``check_collectives=True`` compares every collective across ranks before it
+  runs, so a desync is an error at once instead of a hang.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ import multiprocessing as mp
 import multiprocessing.spawn as mp_spawn
 import os
 import queue as queue_mod
-import re
 import shutil
 import sys
 import tempfile
@@ -62,52 +68,14 @@ import cloudpickle
 import torch
 import torch.distributed as tdist
 
-from . import dist, fake_gpu
+from . import dist, fake_gpu, faults, flight_recorder
+from .faults import LaunchError, LaunchTimeout, WorkerError
 
 __all__ = ["launch", "LaunchError", "WorkerError", "LaunchTimeout", "max_world_size"]
 
-# Errors that a *surviving* rank raises because a peer died: symptoms, not causes.
-_PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "DistBackendError",
-                         "Broken pipe", "connection refused", "Socket Timeout", "ProcessGroupGloo")
 _GRACE_AFTER_FIRST_ERROR_S = 1.0
-
-
-class LaunchError(RuntimeError):
-    """A launched run failed; the message says which rank(s) and why."""
-
-
-class WorkerError(LaunchError):
-    """One or more ranks raised. The message is short: each distinct error once, with
-    the ranks that raised it and the line of *your* code it came from, no library frames.
-
-    ``tracebacks`` (alias ``failures``) maps rank -> that worker's full formatted
-    traceback; ``ranks`` lists the failing ranks. The original exception, when it
-    could be pickled back, is the ``__cause__``::
-
-        >>> try:                                              # doctest: +SKIP
-        ...     launch(my_exercise, 4)
-        ... except WorkerError as err:
-        ...     print(err)                # ranks 0-3 failed: NotImplementedError: ...
-        ...     print(err.tracebacks[0])  # rank 0's whole traceback
-    """
-
-    def __init__(self, message: str, failures: dict[int, str]):
-        super().__init__(message)
-        self.failures = failures
-        self.tracebacks = failures
-        self.ranks = sorted(failures)
-
-    def _render_traceback_(self) -> list[str]:
-        # IPython/Jupyter shows this instead of a traceback through launch's internals.
-        return [f"WorkerError: {self}"]
-
-
-class LaunchTimeout(LaunchError, TimeoutError):
-    """The deadline passed; ``running`` lists the ranks that had not finished."""
-
-    def __init__(self, message: str, running: list[int]):
-        super().__init__(message)
-        self.running = running
+# A worker that died without a report: its last words, if any, are already in the queue's pipe.
+_SILENT_DEATH_S = 0.5
 
 
 def max_world_size(backend: str | None = None) -> int:
@@ -130,17 +98,21 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _worker_main(rank: int, world_size: int, payload: bytes, store_path: str,
+def _worker_main(rank: int, world_size: int, payload: bytes, run_dir: str,
                  backend: str, timeout_s: float, threads: int, parent_pid: int,
-                 results: "mp.Queue", stack_file: str, pretend_gpu: bool = False) -> None:
+                 results: "mp.Queue", pretend_gpu: bool = False, check: bool = False) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    # Where is this rank stuck? Dump every thread's stack just before the deadline.
-    with open(stack_file, "w") as stack_out:
+    # Where is this rank stuck? Dump every thread's stack just before the deadline, or when it crashes.
+    with open(faults.stack_path(run_dir, rank), "w") as stack_out:
+        faulthandler.enable(file=stack_out, all_threads=True)
         faulthandler.dump_traceback_later(max(timeout_s - 0.5, 0.1), exit=False, file=stack_out)
         try:
-            outcome = _run_rank(rank, world_size, payload, store_path, backend, timeout_s, threads, pretend_gpu)
+            with flight_recorder.record_collectives(faults.slot_path(run_dir, rank), check):
+                outcome = _run_rank(rank, world_size, payload, os.path.join(run_dir, "store"), backend,
+                                    timeout_s, threads, pretend_gpu)
         finally:
             faulthandler.cancel_dump_traceback_later()
+            faulthandler.disable()
     results.put(outcome)
     results.close()
     results.join_thread()  # make sure the bytes are flushed before the process exits
@@ -248,15 +220,20 @@ def _pickle_by_value(fn: Callable, args: tuple, kwargs: dict) -> bytes:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-           backend: str | None = None, threads_per_rank: int | None = None, **kwargs: Any) -> list:
+           backend: str | None = None, threads_per_rank: int | None = None,
+           check_collectives: bool | None = None, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes; return their results by rank.
 
     Inside ``fn`` the default process group is initialised (``torch.distributed``
     works directly) and ``minifsdp.dist`` tells rank, world size and device.
 
-    Raises ``WorkerError`` naming the failing rank(s) with their original
-    traceback, or ``LaunchTimeout`` naming the ranks still running after
-    ``timeout`` seconds. No worker outlives the call.
+    Raises ``WorkerError`` naming the failing rank(s) and the cause (an
+    exception with its original traceback, out of memory, a signal, ranks
+    that disagree on a collective), or ``LaunchTimeout`` naming the ranks
+    still running after ``timeout`` seconds, which one is stuck and where, and
+    the collective the others wait in (docs/faults.md). No worker outlives
+    the call. ``check_collectives`` (default: ``MINIFSDP_CHECK_COLLECTIVES=1``)
+    compares each collective across ranks before it runs (flight_recorder.py).
 
     Backend: ``None`` runs one rank per GPU with NCCL when the machine has
     ``world_size`` GPUs, else CPU ranks with gloo, saying so in one line (a
@@ -278,12 +255,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
     ctx = _mp_context()
     results = ctx.Queue()
-    run_dir = tempfile.mkdtemp(prefix="minifsdp-launch-")  # the rendezvous file and each rank's stack dump
-    stack_files = [os.path.join(run_dir, f"rank{r}.txt") for r in range(world_size)]
+    if check_collectives is None:  # read here: the forkserver's environment is older
+        check_collectives = os.environ.get(flight_recorder.CHECK_ENV, "0") == "1"
+    run_dir = tempfile.mkdtemp(prefix="minifsdp-launch-")  # the rendezvous file, each rank's stack and collective
     procs = [ctx.Process(target=_worker_main, name=f"minifsdp-rank{r}", daemon=True,
-                         args=(r, world_size, payload, os.path.join(run_dir, "store"), backend,
-                               timeout, threads, os.getpid(), results, stack_files[r],
-                               pretend_gpu))  # decided here: the forkserver's environment is older
+                         args=(r, world_size, payload, run_dir, backend, timeout, threads, os.getpid(), results,
+                               pretend_gpu, check_collectives))  # decided here, as check_collectives
              for r in range(world_size)]
     started = time.perf_counter()
     outcomes: dict[int, tuple] = {}
@@ -297,9 +274,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         results.close()
         _log_launch(world_size, "gpu" if pretend_gpu else backend, started, outcomes)
     try:
-        return _results_or_raise(outcomes, world_size, timeout, stack_files)
+        error = faults.failure(outcomes, world_size, timeout, run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)  # stack dumps, and the store file a killed rank left
+    if error is not None:
+        raise error
+    return [cloudpickle.loads(outcomes[r][2]) for r in range(world_size)]
 
 
 LOG_ENV = "MINIFSDP_LAUNCH_LOG"  # a file: each launch appends one JSON line (tools/gpu_check.py reads it)
@@ -364,7 +344,7 @@ def _collect(procs: list, results: "mp.Queue", timeout: float) -> dict[int, tupl
         try:
             item = results.get(timeout=0.05)
             outcomes[item[0]] = item
-            if item[1] == "error":  # let peers report for a moment: the root cause may be elsewhere
+            if item[1] != "ok":  # let peers report for a moment: the root cause may be elsewhere
                 stop_at = min(stop_at, time.monotonic() + _GRACE_AFTER_FIRST_ERROR_S)
         except queue_mod.Empty:
             pass
@@ -373,9 +353,8 @@ def _collect(procs: list, results: "mp.Queue", timeout: float) -> dict[int, tupl
                 continue
             # Exited without a report (killed, os._exit, segfault): wait briefly for a late message.
             first_seen = dead_since.setdefault(r, time.monotonic())
-            if time.monotonic() - first_seen > 1.0:
-                msg = f"exited with code {p.exitcode} without reporting a result (killed or crashed)"
-                outcomes[r] = (r, "error", msg, msg, None)
+            if time.monotonic() - first_seen > _SILENT_DEATH_S:
+                outcomes[r] = (r, "exit", p.exitcode)
                 stop_at = min(stop_at, time.monotonic() + _GRACE_AFTER_FIRST_ERROR_S)
     return outcomes
 
@@ -393,79 +372,3 @@ def _stop(procs: list) -> None:
         if p.pid is not None and p.is_alive():
             p.kill()
             p.join(1.0)
-
-
-def _is_peer_failure(outcome: tuple) -> bool:
-    return any(marker.lower() in outcome[3].lower() for marker in _PEER_FAILURE_MARKERS)
-
-
-def _results_or_raise(outcomes: dict[int, tuple], world_size: int, timeout: float,
-                      stack_files: list[str]) -> list:
-    errors = {r: o for r, o in outcomes.items() if o[1] == "error"}
-    if errors:
-        # Report root causes first: a peer's "connection reset" only when nothing else failed.
-        causes = {r: o for r, o in errors.items() if not _is_peer_failure(o)} or errors
-        ranks = sorted(causes)
-        error = WorkerError(_short_report(causes), {r: causes[r][3] for r in ranks})
-        original = _unpickle_exception(causes[ranks[0]][4])
-        raise error from original
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if missing:
-        stacks = "".join(_stack_excerpt(r, stack_files[r]) for r in missing)
-        raise LaunchTimeout(f"timed out after {timeout:g} s; ranks still running: {missing} "
-                            f"(a collective waiting for a peer, or an endless loop?){stacks}", missing)
-    return [cloudpickle.loads(outcomes[r][2]) for r in range(world_size)]
-
-
-def _rank_list(ranks: list[int]) -> str:
-    """[0, 1, 2, 3] -> 'ranks 0-3'; [1] -> 'rank 1'; [0, 2] -> 'ranks 0, 2'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
-def _user_frame(tb: str) -> str:
-    """'in fn, line N' of the innermost frame outside launch/multiprocessing/torch ('' if none)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
-    mine = [(f, ln, fn) for f, ln, fn in frames
-            if not any(x in f for x in ("/minifsdp/", "/multiprocessing/", "/torch/", "site-packages"))]
-    if not mine:
-        return ""
-    f, ln, fn = mine[-1]
-    where = "a notebook cell" if f.startswith("<") or "ipykernel" in f else os.path.basename(f)
-    return f" (in {fn}, line {ln} of {where})"
-
-
-def _short_report(causes: dict[int, tuple]) -> str:
-    """Each distinct error once, with the ranks that raised it: the hint of a lab stub is read once."""
-    by_message: dict[str, list[int]] = {}
-    for r in sorted(causes):
-        by_message.setdefault(causes[r][2], []).append(r)
-    lines = [f"{_rank_list(ranks)} failed: {message}{_user_frame(causes[ranks[0]][3])}"
-             for message, ranks in by_message.items()]
-    return "\n".join(lines) + "\n(each rank's full traceback: err.tracebacks[rank])"
-
-
-def _unpickle_exception(data: bytes | None) -> BaseException | None:
-    try:
-        return cloudpickle.loads(data) if data else None
-    except Exception:  # noqa: BLE001 - the traceback text is already in the message
-        return None
-
-
-def _stack_excerpt(rank: int, path: str, max_lines: int = 8) -> str:
-    """The user's frames of a hung rank, from the faulthandler dump (most recent call first)."""
-    try:
-        with open(path) as f:
-            sections = f.read().split("\nThread ")
-    except OSError:
-        return ""
-    main = [s for s in sections if "_run_rank" in s]
-    if not main:
-        return ""
-    frames = [ln.strip() for ln in main[0].splitlines() if ln.strip().startswith("File")]
-    frames = [ln for ln in frames if "minifsdp/launch.py" not in ln
-              and "/multiprocessing/" not in ln and '"<string>"' not in ln][:max_lines]
-    return f"\n--- where rank {rank} was (most recent call first) ---\n" + "\n".join(frames)
