@@ -97,6 +97,11 @@ ROWS: list[Row] = [
        "pass e.g. param_dtype=torch.bfloat16"),
     py("dtype-policy-int", "mixed precision", "MixedPrecisionPolicy(reduce_dtype=torch.int32)", T,
        "a policy dtype is a floating torch.dtype or None"),
+    py("dtype-not-on-this-device", "mixed precision",
+       "fully_shard(mlp(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float8_e4m3fn))", V,
+       "cpu cannot compute in torch.float8_e4m3fn here", world=2),
+    py("dtype-autocast-fp64", "mixed precision", "autocast('cpu', torch.float64)", V,
+       "pass one of them, or enabled=False to run in fp32"),
     py("dtype-precision-name", "mixed precision", "policy_for('fp8')", V, "precision must be one of"),
     py("scaler-init-scale", "mixed precision", "GradScaler('cpu', init_scale=0)", V, "torch's default is 2.0**16"),
     py("scaler-growth", "mixed precision", "GradScaler('cpu', growth_factor=0.5)", V, "growth_factor must be > 1.0"),
@@ -246,6 +251,16 @@ ROWS: list[Row] = [
     cli("cli-zero-bubble-recompute", "trainer", "--strategy pp --schedule zero-bubble --virtual-stages 2 "
         "--checkpoint full", V, "use --checkpoint none or another schedule"),
     cli("cli-torch-tp-accum", "trainer", "--strategy torch-tp --grad-accum 2", V, "drop --grad-accum"),
+    cli("cli-torch-tp-fp16", "trainer", "--strategy torch-tp --precision fp16", V, "use --precision bf16"),
+    cli("cli-precision-not-wired", "trainer", "--strategy cp --precision bf16", V, "use them with single, ddp"),
+    cli("cli-single-world-size", "trainer", "--strategy single --world-size 2", V, "use --world-size 1"),
+    cli("cli-torch-fsdp2-no-shard", "trainer", "--strategy torch-fsdp2 --sharding-strategy NO_SHARD", V,
+        "choose one of: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD"),
+    cli("cli-pp-dp-batch", "trainer", "--strategy pp+dp --dp 2 --world-size 4 --batch-size 4", V,
+        "2 replica(s) x 4 micro-batches: use a multiple of 8"),
+    cli("cli-sequence-parallel", "trainer", "--strategy tp --sequence-parallel --seq-len 7", V,
+        "use a sequence length that is a multiple of 2"),
+    cli("cli-cp-3", "trainer", "--strategy cp --cp 3 --world-size 3", V, "a multiple of 6"),
     cli("cli-tp-moe", "trainer", "--strategy tp --model gpt-moe-tiny", V, "or --strategy ep, or a dense model"),
     cli("cli-cp-sequence", "trainer", "--strategy cp --seq-len 6", V, "a multiple of 4"),
     cli("cli-ep-dense", "trainer", "--strategy ep", V, "build gpt-moe-tiny or gpt-moe-small"),
@@ -257,7 +272,8 @@ ROWS: list[Row] = [
         main=True),
     cli("cli-world-size-too-big", "trainer", "--strategy ddp --world-size 64 --batch-size 64", SystemExit,
         "use world_size <= 8", main=True),
-    # resume: "--resume DIR" written for another model is refused here, once the trainer resumes.
+    # resume into another model (--resume DIR saved from another --model / layout): its row goes here,
+    # added with the trainer's --resume.
 ]
 
 
@@ -277,7 +293,7 @@ def namespace() -> dict[str, Any]:
     from minifsdp.launch import launch
     from minifsdp.layout import Layout
     from minifsdp.mesh import DeviceMesh
-    from minifsdp.mixed_precision import GradScaler, MixedPrecision, policy_for
+    from minifsdp.mixed_precision import GradScaler, MixedPrecision, autocast, policy_for
     from minifsdp.pipeline import (PipelineParallel, PipelineStage, ScheduleGPipe, make_plan, split_gpt,
                                    split_microbatches)
     from minifsdp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,

@@ -245,6 +245,9 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None = None,
     """
     device_type = torch.device(device).type
     dtype = dtype or autocast_dtype(device_type)
+    if enabled and dtype not in LOW_PRECISION:  # torch.autocast would only warn and run everything in fp32
+        raise ValueError(f"autocast computes in torch.bfloat16 or torch.float16, got {dtype}; pass one of them, or "
+                         "enabled=False to run in fp32")
     if enabled:
         check_dtype_supported(dtype, device_type)
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
