@@ -157,3 +157,11 @@ def require_module(module: object, what: str) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{what} wraps a torch.nn.Module, got {type(module).__name__}; pass the model (or block) "
                         "itself")
+
+
+def require_group(group: object, what: str) -> None:
+    """Raise a one-line error naming the fix when a process group is expected and something else (often
+    the group's size) was passed: else an AttributeError surfaces at the first collective."""
+    if group is not None and not isinstance(group, tdist.ProcessGroup):
+        raise TypeError(f"{what} takes a process group or None (the whole world), got {group!r}; pass e.g. "
+                        "mesh.DeviceMesh(...).get_group(dim) or torch.distributed.new_group(ranks)")

@@ -101,8 +101,10 @@ class GPTConfig:
                              f"n_embd / n_head features); choose n_head among {_divisors(self.n_embd)}")
         if not 0.0 <= self.dropout < 1.0:  # nn.Dropout would refuse it later, inside the model's constructor
             raise ValueError(f"dropout={self.dropout} must be in [0, 1): the probability of zeroing an activation")
-        if self.n_expert < 0 or self.moe_every < 1:
-            raise ValueError(f"n_expert={self.n_expert} must be >= 0 and moe_every={self.moe_every} >= 1")
+        if self.n_expert < 0:
+            raise ValueError(f"n_expert={self.n_expert} must be >= 0 (0: a dense GPT, every block one MLP)")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 (1: every block a MoE, 2: every other block)")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_expert={self.n_expert} (a token picks k "
                              f"distinct experts); choose top_k <= {self.n_expert} or more experts")

@@ -1,40 +1,23 @@
-"""Every bad input minifsdp refuses, as data, and how one row is run.
+"""Every bad input minifsdp refuses, as data: one row per input.
 
 One table is the source of both ``tests/test_bad_input.py`` (each row run: the
 exception type, a fragment of the message that names the fix, one line, no
 process started, no collective run) and ``docs/bad_input.md``
-(``tools/bad_input_table.py`` runs each row and writes the message it got).
+(``tools/bad_input_table.py`` runs each row and writes the message it got);
+``bad_input_run.py`` runs a row.
 
 A row is ``(id, area, what the user did, exception, fragment)``. What the user
-did is Python source run with ``exec`` in ``namespace()`` (the package's public
-names and three small models: ``mlp()``, ``gpt()``, ``moe()``), or the
-trainer's argv (``python -m minifsdp.train ...``): ``parse_args`` then
+did is Python source run with ``exec`` in ``bad_input_run.namespace()`` (the
+package's public names and three small models: ``mlp()``, ``gpt()``, ``moe()``),
+or the trainer's argv (``python -m minifsdp.train ...``): ``parse_args`` then
 ``validate``, or ``main`` where the check is ``launch``'s own, made before any
 rank starts. ``world=N`` runs the source on rank 0 of an in-process group of N
-ranks (torch's ``fake`` backend, its test double: no process starts), so a
-constructor that needs N ranks is checked in one process.
-
-``run`` pins the machine (2 CPU cores, no GPU) so the messages are the same on
-every machine, and watches the row: a ``torch.distributed`` collective or a
-process start raises ``Forbidden`` instead of running, so a check made too late
-fails its row.
+ranks, so a constructor that needs N ranks is checked in one process.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing.process
-import os
-import subprocess
-import tempfile
-from dataclasses import dataclass, field
-from typing import Any, Iterator
-from unittest import mock
-
-import torch
-import torch.distributed as tdist
-import torch.distributed.distributed_c10d as c10d
-import torch.nn as nn
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -90,6 +73,8 @@ ROWS: list[Row] = [
        "sizes must be positive integers, got n_layer=0"),
     py("model-dropout", "models", "GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, dropout=1.5)", V,
        "must be in [0, 1)"),
+    py("model-moe-every", "models", "GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, n_expert=4, moe_every=0)",
+       V, "moe_every=0 must be >= 1"),
     py("model-top-k", "models", "GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, n_expert=2, top_k=3)", V,
        "choose top_k <= 2 or more experts"),
     # ---- dtypes and mixed precision
@@ -119,6 +104,9 @@ ROWS: list[Row] = [
        N, "compute in 16 bits with torch.autocast", world=2),
     py("ddp-unsupported", "ddp", "DistributedDataParallel(mlp(), skip_all_reduce_unused_params=True)", N,
        "leave it at its default", world=2),
+    py("ddp-group-size", "ddp", "DistributedDataParallel(mlp(), process_group=2)", T,
+       "takes a process group or None", world=2),
+    py("ddp-naive-frozen", "ddp", "NaiveDataParallel(mlp().requires_grad_(False))", V, "(do not wrap it)", world=2),
     py("ddp-outside-group", "ddp", "DistributedDataParallel(mlp())", RuntimeError, "call it inside minifsdp.launch"),
     # ---- ZeRO
     py("zero-optim-name", "zero", "OSS(mlp().parameters(), optim='adam')", T, "such as torch.optim.AdamW"),
@@ -157,8 +145,9 @@ ROWS: list[Row] = [
        "pick a factor of 4", world=4),
     py("fully-shard-scalar", "fully_shard", "m = mlp(); m.scale = nn.Parameter(torch.tensor(1.0)); fully_shard(m)",
        V, "make it a 1-D tensor of one element", world=2),
-    py("fully-shard-mixed-dtypes", "fully_shard", "fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double()))",
-       V, "cast the module to one dtype first", world=2),
+    py("fully-shard-mixed-dtypes", "fully_shard",
+       "fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double()))", V, "cast the module to one dtype first",
+       world=2),
     py("fully-shard-minifsdp-mesh", "fully_shard", "fully_shard(mlp(), mesh=DeviceMesh(dp=2))", V,
        "make one with init_device_mesh", world=2),
     py("fully-shard-mp-dtype", "fully_shard", "fully_shard(mlp(), mp_policy=torch.bfloat16)", T,
@@ -180,19 +169,23 @@ ROWS: list[Row] = [
     py("pp-tied-embeddings", "pipeline", "split_gpt(gpt(tie_embeddings=True), 2)", V, "tie_embeddings=False"),
     py("pp-world-size", "pipeline", "PipelineParallel(gpt(), pp=3, n_microbatches=4)", V, "launch 3 ranks",
        world=4),
+    py("pp-virtual-stages-0", "pipeline",
+       "PipelineParallel(gpt(), pp=1, n_microbatches=4, schedule='interleaved', virtual_stages=0)", V,
+       "virtual_stages=0 must be >= 1"),
     py("pp-fp16", "pipeline", "PipelineParallel(gpt(), pp=1, n_microbatches=4, autocast_dtype=torch.float16)", V,
        "use torch.bfloat16 or None"),
     # ---- tensor parallel: divisibility of heads, hidden size, vocabulary, sequence
     py("tp-heads", "tensor parallel", "check_divisible(MODEL_PRESETS['gpt-tiny'], tp=3)", V,
        "n_head=2 is not divisible by tp=3"),
-    py("tp-vocab", "tensor parallel", "initialize_model_parallel(4); VocabParallelEmbedding(250, 16)", V, "choose a tp that divides 250",
-       world=4),
-    py("tp-columns", "tensor parallel", "initialize_model_parallel(2); ColumnParallelLinear(16, 7)", V, "choose a tp that divides 7", world=2),
+    py("tp-vocab", "tensor parallel", "initialize_model_parallel(4); VocabParallelEmbedding(250, 16)", V,
+       "choose a tp that divides 250", world=4),
+    py("tp-columns", "tensor parallel", "initialize_model_parallel(2); ColumnParallelLinear(16, 7)", V,
+       "choose a tp that divides 7", world=2),
     py("tp-sequence", "tensor parallel", "check_divisible(MODEL_PRESETS['gpt-tiny'], 2, 7, sequence_parallel=True)",
        V, "use a sequence length that is a multiple of 2"),
     py("tp-row-sequence-parallel", "tensor parallel",
-       "initialize_model_parallel(2); RowParallelLinear(8, 8, sequence_parallel=True)", V, "needs input_is_parallel=True",
-       world=2),
+       "initialize_model_parallel(2); RowParallelLinear(8, 8, sequence_parallel=True)", V,
+       "needs input_is_parallel=True", world=2),
     py("tp-world-size", "tensor parallel", "initialize_model_parallel(3)", V, "choose sizes that divide 4", world=4),
     py("tp-not-initialized", "tensor parallel", "tensor_parallel_gpt(gpt())", RuntimeError,
        "initialize_model_parallel(tp) on every rank first", world=2),
@@ -212,11 +205,15 @@ ROWS: list[Row] = [
     py("ep-dense-model", "expert parallel", "expert_parallel_gpt(gpt())", V, "build gpt-moe-tiny or gpt-moe-small",
        world=2),
     py("ep-experts", "expert parallel", "expert_parallel_gpt(moe())", V, "choose an ep that divides 8", world=3),
+    py("ep-group-size", "expert parallel", "expert_parallel_gpt(moe(), ep_group=2)", T,
+       "pass e.g. mesh.DeviceMesh(...).get_group(dim)", world=2),
     py("ep-dispatcher", "expert parallel", "expert_parallel_gpt(moe(), dispatcher='ring')", V,
        "is not one of ('all_to_all', 'all_gather')", world=2),
     # ---- activation checkpointing
     py("ac-impl-string", "checkpoint", "checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl='no_reentrant')", T,
        "CheckpointImpl.NO_REENTRANT or CheckpointImpl.REENTRANT"),
+    py("ac-not-a-module", "checkpoint", "checkpoint_wrapper(gpt().blocks.parameters())", T,
+       "wraps a torch.nn.Module"),
     py("ac-policy-set", "checkpoint", "apply_activation_checkpointing(gpt(), auto_wrap_policy={Block})", T,
        "pass check_fn=lambda m: isinstance(m, (Block,))"),
     # ---- data: batch sizes vs ranks
@@ -275,133 +272,3 @@ ROWS: list[Row] = [
     # resume into another model (--resume DIR saved from another --model / layout): its row goes here,
     # added with the trainer's --resume.
 ]
-
-
-# --------------------------------------------------------------------------
-# Running one row
-# --------------------------------------------------------------------------
-
-def namespace() -> dict[str, Any]:
-    """What a row's source sees: the public names it uses, and small models built fresh for each row."""
-    from minifsdp import models
-    from minifsdp.checkpoint import apply_activation_checkpointing, checkpoint_wrapper
-    from minifsdp.context_parallel import check_sequence_length, context_parallel_gpt
-    from minifsdp.data import get_batch
-    from minifsdp.ddp import DistributedDataParallel
-    from minifsdp.expert_parallel import expert_parallel_gpt
-    from minifsdp.fsdp import FSDP, MixedPrecisionPolicy, fully_shard, init_hybrid_groups
-    from minifsdp.launch import launch
-    from minifsdp.layout import Layout
-    from minifsdp.mesh import DeviceMesh
-    from minifsdp.mixed_precision import GradScaler, MixedPrecision, autocast, policy_for
-    from minifsdp.pipeline import (PipelineParallel, PipelineStage, ScheduleGPipe, make_plan, split_gpt,
-                                   split_microbatches)
-    from minifsdp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          check_divisible, initialize_model_parallel, tensor_parallel_gpt)
-    from minifsdp.zero import OSS, ShardedDataParallel, ZeroRedundancyOptimizer, wrap_zero
-
-    names = dict(locals())
-    names.update(torch=torch, nn=nn, Block=models.Block, GPTConfig=models.GPTConfig, build_model=models.build_model,
-                 MODEL_PRESETS=models.MODEL_PRESETS, work=_work,
-                 mlp=lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-                 gpt=lambda **overrides: models.build_model("gpt-tiny", **overrides),
-                 moe=lambda: models.build_model("gpt-moe-tiny"))
-    return names
-
-
-def _work() -> int:
-    return 0
-
-
-class Forbidden(BaseException):
-    """A collective or a process start inside a row: raised past any ``except Exception`` of the library."""
-
-
-@dataclass
-class Outcome:
-    error: BaseException | None
-    forbidden: list[str] = field(default_factory=list)  # the collectives / process starts the row attempted
-
-    @property
-    def message(self) -> str:
-        return "" if self.error is None else str(self.error)
-
-
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "scatter",
-                "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv")
-
-
-def run(row: Row) -> Outcome:
-    """Run one row in a fresh folder on a pinned machine, inside its group; what it raised and attempted."""
-    attempted: list[str] = []
-    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder), _pinned_machine(), _world(row.world), \
-            _forbid(attempted):
-        try:
-            _call(row)
-            error = None
-        except (Exception, SystemExit, Forbidden) as exc:  # SystemExit: train.main's "error: ..." exit
-            error = exc
-    return Outcome(error, attempted)
-
-
-def _call(row: Row) -> None:
-    if row.argv is None:
-        exec(row.source, namespace())
-        return
-    from minifsdp import train
-
-    if row.main:
-        train.main(list(row.argv))
-    else:
-        train.validate(train.parse_args(list(row.argv)))
-
-
-@contextlib.contextmanager
-def _pinned_machine() -> Iterator[None]:
-    """2 CPU cores and no GPU, whatever runs the rows, so every message reads the same everywhere."""
-    from minifsdp import dist
-
-    with mock.patch.object(os, "cpu_count", return_value=2), mock.patch.object(dist, "gpu_count", return_value=0), \
-            mock.patch.object(torch.cuda, "is_available", return_value=False):
-        yield
-
-
-@contextlib.contextmanager
-def _world(n: int) -> Iterator[None]:
-    """Rank 0 of an n-rank process group in this process (torch's fake backend); n = 1: no group at all."""
-    if n == 1:
-        yield
-        return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from minifsdp import tensor_parallel
-
-    if tdist.is_initialized():
-        raise RuntimeError("a process group is already initialized in this process; run the rows in a fresh one")
-    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        yield
-    finally:
-        if tensor_parallel.model_parallel_is_initialized():
-            tensor_parallel.destroy_model_parallel()
-        tdist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _forbid(attempted: list[str]) -> Iterator[None]:
-    """Every torch.distributed collective and every process start raises ``Forbidden`` (and is recorded)."""
-    def refuse(what: str):
-        def call(*args: Any, **kwargs: Any) -> Any:
-            attempted.append(what)
-            raise Forbidden(f"{what} ran before the bad input was refused")
-        return call
-
-    with contextlib.ExitStack() as stack:
-        for name in _COLLECTIVES:
-            for module in (tdist, c10d):
-                if hasattr(module, name):
-                    stack.enter_context(mock.patch.object(module, name, refuse(name)))
-        stack.enter_context(mock.patch.object(multiprocessing.process.BaseProcess, "start", refuse("process start")))
-        stack.enter_context(mock.patch.object(subprocess.Popen, "__init__", refuse("subprocess")))
-        yield

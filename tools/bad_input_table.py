@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import bad_input_cases as cases  # noqa: E402  (tests/ is not a package)
+import bad_input_run as runner  # noqa: E402
 
 DOC = ROOT / "docs" / "bad_input.md"
 
@@ -54,7 +55,7 @@ def _input(row: cases.Row) -> str:
     return f"`{row.source.replace('|', chr(92) + '|')}`{where}"
 
 
-def render(outcomes: dict[str, cases.Outcome]) -> str:
+def render(outcomes: dict[str, runner.Outcome]) -> str:
     """The page: one table per area, in the order the rows are written."""
     areas: dict[str, list[str]] = {}
     for row in cases.ROWS:
@@ -67,7 +68,7 @@ def render(outcomes: dict[str, cases.Outcome]) -> str:
     return "".join(parts)
 
 
-def wrong_rows(outcomes: dict[str, cases.Outcome]) -> list[str]:
+def wrong_rows(outcomes: dict[str, runner.Outcome]) -> list[str]:
     """Rows whose outcome breaks the contract: the wrong exception or message, several lines, or a
     collective / process start before the refusal."""
     wrong = []
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/bad_input.md is stale")
     args = parser.parse_args(argv)
-    outcomes = {row.id: cases.run(row) for row in cases.ROWS}
+    outcomes = {row.id: runner.run(row) for row in cases.ROWS}
     wrong = wrong_rows(outcomes)
     if wrong:
         print("rows that no longer hold (fix the library or the row):\n  " + "\n  ".join(wrong), file=sys.stderr)

@@ -59,6 +59,9 @@ class ActivationWrapper(nn.Module):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):  # else the error comes at the first forward
+            raise TypeError(f"{type(self).__name__} wraps a torch.nn.Module, got {type(module).__name__}; pass the "
+                            "block itself")
         self._checkpoint_wrapped_module = module
         self._register_state_dict_hook(ActivationWrapper._strip_prefix)
         self.register_load_state_dict_pre_hook(ActivationWrapper._add_prefix)

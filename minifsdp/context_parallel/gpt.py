@@ -90,6 +90,7 @@ class ContextParallelGPT(nn.Module):
     def __init__(self, full: models.GPT, group: ProcessGroup | None = None, split: str = "zigzag") -> None:
         super().__init__()
         check_context_parallel(full, split)
+        dist.require_group(group, "context_parallel_gpt's cp_group")
         self.config, self.group, self.split = full.config, group, split
         self.cp, self.cp_rank = dist.world_size(group), dist.rank(group)
         self.tok_emb, self.pos_emb, self.ln_f, self.head = full.tok_emb, full.pos_emb, full.ln_f, full.head

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist, trace
-from .common import _check_same_model_everywhere, _weak_hook, broadcast_coalesced
+from .common import _check_same_model_everywhere, _weak_hook, broadcast_coalesced, require_trainable
 
 __all__ = ["BucketedDataParallel", "Bucket", "bucket_assignment", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_MB"]
 
@@ -164,13 +164,12 @@ class BucketedDataParallel(nn.Module):
         super().__init__()
         dist.require_initialized(type(self).__name__)
         dist.require_module(module, type(self).__name__)
+        dist.require_group(process_group, f"{type(self).__name__}'s process_group")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:  # before the wrap-time broadcast, not after it
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; torch's default is 25 (or leave "
                              "it None)")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(f"{type(self).__name__}: the module has no parameter that requires a gradient; "
-                             "there is nothing to synchronise (do not wrap it)")
+        require_trainable(named, type(self).__name__)
         self.module = module
         self.process_group = process_group
         self.forward_sync_buffers = True          # torch's name: broadcast buffers before each forward

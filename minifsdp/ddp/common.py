@@ -65,6 +65,13 @@ def _weak_hook(owner: Any, method: str, *args: Any):
     return hook
 
 
+def require_trainable(params: list[Any], who: str) -> None:
+    """A wrapper of a frozen module would synchronise nothing: say so before any collective runs."""
+    if not params:
+        raise ValueError(f"{who}: the module has no parameter that requires a gradient; there is nothing to "
+                         "synchronise (do not wrap it)")
+
+
 def _check_same_model_everywhere(params: list[torch.Tensor], group: ProcessGroup | None, who: str) -> None:
     """Fail loudly (on every rank) if ranks wrapped different models: else a later all-reduce hangs.
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from .. import comm, dist
-from .common import _weak_hook
+from .common import _weak_hook, require_trainable
 
 __all__ = ["NaiveDataParallel"]
 
@@ -48,6 +48,9 @@ class NaiveDataParallel(nn.Module):
         super().__init__()
         dist.require_initialized("NaiveDataParallel")
         dist.require_module(module, "NaiveDataParallel")
+        dist.require_group(process_group, "NaiveDataParallel's process_group")
+        # before the broadcast below, not after it
+        require_trainable([p for p in module.parameters() if p.requires_grad], "NaiveDataParallel")
         self.module = module
         self.process_group = process_group
         self.require_backward_grad_sync = True

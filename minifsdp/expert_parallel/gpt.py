@@ -72,6 +72,7 @@ def expert_parallel_gpt(model: models.GPT, ep_group: ProcessGroup | None = None,
         raise TypeError(f"expert_parallel_gpt takes a minifsdp.models.GPT, got {type(model).__name__}")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
+    dist.require_group(ep_group, "expert_parallel_gpt's ep_group")
     check_expert_parallel(model.config, dist.world_size(ep_group))
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):

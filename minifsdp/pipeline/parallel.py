@@ -121,6 +121,8 @@ class PipelineParallel(nn.Module):
         if autocast_dtype not in (None, torch.bfloat16):
             raise ValueError(f"autocast_dtype={autocast_dtype}: a pipeline runs bf16 autocast only (fp16 needs a "
                              "gradient scaler inside the schedule): use torch.bfloat16 or None")
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages} must be >= 1 (stages per rank; 1 for gpipe and 1f1b)")
         v = virtual_stages if schedule in ("interleaved", "zero-bubble") else 1
         if virtual_stages != 1 and v == 1:
             raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved or zero-bubble")
