@@ -26,6 +26,8 @@ is written down once, in a ``Strategy`` record:
 A MoE GPT's loss is ``lm_loss + model.aux_loss()`` (the load-balancing loss) under every
 strategy: ``Built.loss`` adds the aux losses of the model's MoE layers to ``loss_fn``'s, so
 ``metrics.json``'s losses are the same function of the model everywhere (0 added for a dense GPT).
+* ``state(built, cfg)``: how ``--save-every`` / ``--resume`` see its model and optimizer, keyed by the
+  single model's parameter names (``minifsdp.save_resume``; None: ``save_resume.ByName``).
 * ``expected_bytes(cfg, layout)``: what minifsdp's side moves per step, from
   ``estimate`` / ``planner`` (bench's *expected* column); None for torch's.
 
@@ -97,6 +99,9 @@ class TrainConfig:
     cp: int = 2
     cp_split: str = "zigzag"      # zigzag | naive
     ep: int = 2
+    # save and resume (minifsdp.save_resume): a checkpoint every K steps under <out>/checkpoints; where to resume
+    save_every: int = 0
+    resume: str | None = None
 
 
 @dataclass
@@ -159,6 +164,7 @@ class Strategy:
     takes_precision: bool = True                  # --precision / --autocast are wired in
     expected_bytes: Callable[[TrainConfig, Layout], dict[str, Any]] | None = None
     check: Callable[[TrainConfig, Layout], None] | None = None   # the record's own one-line refusals
+    state: Callable[[Built, TrainConfig], Any] | None = None      # save/resume: its state by name (None: ByName)
     doc: str = ""
 
     @property
@@ -209,6 +215,20 @@ class Strategy:
         if "cp" in degrees or "ep" in degrees:
             return dict(world_size=world_size, cp=world_size, cp_split=option or CP_SPLITS[0], ep=world_size)
         return dict(world_size=world_size if degrees else 1, sharding_strategy=option or "FULL_SHARD")
+
+    def grad_scaler(self, cfg: TrainConfig, device: torch.device) -> Any:
+        """fp16 needs loss scaling (a pass-through otherwise); sharded gradients need the found-inf flag agreed on
+        by every rank. torch's strategies get torch's scalers, so the benchmark compares like with like."""
+        enabled = cfg.precision == "fp16"
+        if self.is_torch:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+            return (TorchSharded(device.type, enabled=enabled) if self.sharded_grads
+                    else torch.amp.GradScaler(device.type, enabled=enabled))
+        from .mixed_precision import GradScaler, ShardedGradScaler, check_dtype_supported
+
+        check_dtype_supported(PRECISIONS[cfg.precision], device)
+        cls = ShardedGradScaler if self.sharded_grads else GradScaler
+        return cls(device, enabled=enabled)
 
     def check_config(self, cfg: TrainConfig, layout: Layout) -> None:
         """One-line errors naming the fix for a model or flags this record cannot run (after ``layout.validate``)."""

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import dist, estimate, models, planner, torch_reference
+from .save_resume import ByName, FullFlatFSDP
 from .layout import Layout
 from .mixed_precision import PRECISIONS, MixedPrecision, policy_for
 from .records import Built, Strategy, TrainConfig, adamw, apply_checkpointing, fully_shard_gpt, pipeline_autocast
@@ -210,6 +211,14 @@ def _three_d(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:
                  data_rank=wrapped.data_parallel_rank, data_size=wrapped.data_parallel_size)
 
 
+def _split_state(hook: type) -> Any:
+    """A record's save/resume hook whose tensors are split over the tensor-parallel group (known once built)."""
+    def make(built: Built, cfg: TrainConfig) -> Any:
+        from .tensor_parallel import get_model_parallel_group
+        return hook(built, cfg, tp_group=get_model_parallel_group())
+    return make
+
+
 def _low_forward(cfg: TrainConfig) -> int:
     """Bytes per element of TP's row-parallel outputs: 2 under autocast or a 16-bit policy, else 4."""
     return 2 if cfg.autocast or cfg.precision != "fp32" else 4
@@ -360,19 +369,20 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero1", _zero1, expected_bytes=_data_parallel_bytes, doc="DDP + OSS: optimizer state sharded"),
     Strategy("zero2", _zero2, sharded_grads=True, expected_bytes=_data_parallel_bytes, doc="gradients sharded too"),
     Strategy("fsdp", _fsdp, sharding_options=_FSDP_OPTIONS, policy_cast=True, sharded_grads=True,
-             expected_bytes=_data_parallel_bytes, doc="fully sharded data parallel"),
+             expected_bytes=_data_parallel_bytes, state=FullFlatFSDP, doc="fully sharded data parallel"),
     Strategy("fsdp2", _fsdp2, sharding_options=_FSDP2_OPTIONS, policy_cast=True, sharded_grads=True,
              expected_bytes=_fully_shard_bytes, doc="per-parameter FSDP (fully_shard)"),
     Strategy("pp", _pipeline, degrees=("pp",), own_train_step=True, expected_bytes=_pipeline_bytes,
              doc="pipeline parallel"),
     Strategy("pp+dp", _pipeline, degrees=("pp", "dp"), own_train_step=True, doc="pipeline x data parallel"),
     Strategy("tp", _tensor_parallel, degrees=("tp",), sharded_grads=True, checkpoints_split_blocks=True,
-             expected_bytes=_tensor_parallel_bytes, doc="Megatron tensor parallel"),
+             expected_bytes=_tensor_parallel_bytes, state=_split_state(ByName), doc="Megatron tensor parallel"),
     Strategy("fsdp+tp", _tensor_parallel, degrees=("dp", "tp"), sharding_options=_FSDP_OPTIONS[:3],
              policy_cast=True, sharded_grads=True, checkpoints_split_blocks=True,
-             expected_bytes=_tensor_parallel_bytes, doc="FSDP x tensor parallel (2D)"),
+             expected_bytes=_tensor_parallel_bytes, state=_split_state(FullFlatFSDP),
+             doc="FSDP x tensor parallel (2D)"),
     Strategy("3d", _three_d, degrees=("dp", "pp", "tp"), own_train_step=True, checkpoints_split_blocks=True,
-             doc="pipeline x tensor x data parallel"),
+             state=_split_state(ByName), doc="pipeline x tensor x data parallel"),
     Strategy("cp", _context_parallel, degrees=("dp", "cp"), takes_precision=False, check=_check_context_parallel,
              expected_bytes=_context_parallel_bytes, doc="context parallel (ring attention) x data parallel"),
     Strategy("ep", _expert_parallel, degrees=("dp", "ep"), sharded_grads=True, takes_precision=False,

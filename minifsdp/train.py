@@ -30,7 +30,9 @@ by ``minifsdp.launch``) or under torchrun, on one machine or many (env:// rendez
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m minifsdp.train --strategy fsdp
 
-Writes ``metrics.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``memory.png`` to ``--out``.
+Writes ``metrics.json``, ``trace.json`` (Perfetto), ``timeline.png``, ``memory.png`` to ``--out``;
+``--save-every K`` checkpoints to ``<out>/checkpoints/step_N``, ``--resume DIR`` goes on from one
+(``minifsdp.save_resume``: atomic, every strategy, any data-parallel world size).
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from . import data, dist, models, torch_reference, trace
+from . import data, dist, models, save_resume, torch_reference, trace
 from .launch import launch
 from .layout import MULTI_STAGE_SCHEDULES
-from .mixed_precision import PRECISIONS, GradScaler, ShardedGradScaler, check_dtype_supported
+from .mixed_precision import PRECISIONS
 from .records import RoutingCounter, Strategy, TrainConfig, apply_checkpointing, autocast
 from .strategies import STRATEGIES
 
@@ -107,6 +109,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.seq_len is not None and not 1 <= cfg.seq_len <= block:
         raise ValueError(f"--seq-len must be between 1 and the model's block size {block}, got {cfg.seq_len}")
     _check_writable(cfg.out)
+    save_resume.check_resume(cfg, record)  # a complete checkpoint of this model, strategy and split
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
@@ -177,8 +180,10 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         # Which slice of the global batch this rank reads: its own, or its replica's.
         data_rank = rank if built.data_rank is None else built.data_rank
         data_world = world if built.data_size is None else built.data_size
-        scaler = _grad_scaler(cfg, record, device)   # fp16 only; a pass-through otherwise
-        for step in range(cfg.steps):
+        scaler = record.grad_scaler(cfg, device)   # fp16 only; a pass-through otherwise
+        checkpointer = save_resume.Checkpointer(cfg, record, built, scaler)
+        first = checkpointer.resume()  # --resume: the step to run next (its data position), else 0
+        for step in range(first, cfg.steps):
             start = time.perf_counter()
             with trace.span("step", step=step):
                 local = torch.zeros((), device=device)
@@ -211,22 +216,10 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                 tracker.snapshot(f"step {step}")
             if rank == 0 and not cfg.quiet:
                 _progress(step, cfg.steps, losses[-1], step_times[-1])
+            checkpointer.maybe_save(step + 1)  # --save-every: after the step, outside its span
     report = tracker.report() if tracker is not None else {}
     return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace,
-            "memory": report, "n_params": n_params, "routing": routing.totals()}
-
-
-def _grad_scaler(cfg: TrainConfig, record: Strategy, device: torch.device) -> Any:
-    """fp16 needs loss scaling; sharded gradients need the found-inf flag agreed on by every rank.
-    torch's strategies get torch's scalers, so the benchmark compares like with like."""
-    enabled = cfg.precision == "fp16"
-    if record.is_torch:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
-        return (TorchSharded(device.type, enabled=enabled) if record.sharded_grads
-                else torch.amp.GradScaler(device.type, enabled=enabled))
-    check_dtype_supported(PRECISIONS[cfg.precision], device)
-    cls = ShardedGradScaler if record.sharded_grads else GradScaler
-    return cls(device, enabled=enabled)
+            "memory": report, "n_params": n_params, "routing": routing.totals(), "first_step": first}
 
 
 def _memory_tracker(cfg: TrainConfig, device: torch.device) -> Any:
@@ -297,7 +290,7 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         "strategy": cfg.strategy, "world_size": cfg.world_size, "model": cfg.model,
         "n_params": results[0]["n_params"], "steps": cfg.steps, "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum, "seed": cfg.seed, "lr": cfg.lr,
-        "losses": results[0]["losses"],
+        "losses": results[0]["losses"], "first_step": results[0]["first_step"],  # --resume: losses from there
         "step_time_s": [r["step_time_s"] for r in results],
         "median_step_time_s": [statistics.median(r["step_time_s"]) for r in results],
         "peak_bytes": [r["memory"].get("peak_total") for r in results],
@@ -376,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence (cp; x --dp replicas)")
     p.add_argument("--cp-split", default="zigzag", choices=["zigzag", "naive"], help="how cp cuts each sequence")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (ep, MoE models; divides --world-size)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps to <out>/checkpoints")
+    p.add_argument("--resume", default=None, help="a checkpoints folder (its latest complete step) or a step_N")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
     flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(a, f.name)}

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
                     "context_parallel", "expert_parallel"}),
     ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records", "calibrate",
-               "strategies"}),
+               "strategies", "save_resume"}),
 ]
 
 

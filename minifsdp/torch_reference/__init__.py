@@ -19,6 +19,7 @@ live here, at the front, for comparison.
 from __future__ import annotations
 
 from ..records import Strategy
+from ..save_resume import TorchState
 from .composed import torch_fsdp_tp, torch_pipeline, torch_tp
 from .counting import count_collectives, count_ddp_buckets
 from .data_parallel import hybrid_groups, mixed_precision_policy, torch_ddp, torch_fsdp, torch_fsdp2, torch_zero1
@@ -34,7 +35,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("torch-ddp", torch_ddp, implementation="torch", doc="DistributedDataParallel"),
     Strategy("torch-zero1", torch_zero1, implementation="torch", doc="DDP + ZeroRedundancyOptimizer"),
     Strategy("torch-fsdp", torch_fsdp, implementation="torch", sharding_options=_FSDP1_OPTIONS, policy_cast=True,
-             sharded_grads=True, doc="FullyShardedDataParallel (FSDP1)"),
+             sharded_grads=True, state=TorchState, doc="FullyShardedDataParallel (FSDP1)"),
     Strategy("torch-fsdp2", torch_fsdp2, implementation="torch", sharding_options=_FSDP2_OPTIONS,
              policy_cast=True, sharded_grads=True, doc="fully_shard (FSDP2)"),
     Strategy("torch-pp", torch_pipeline, degrees=("pp",), implementation="torch", own_train_step=True,
