@@ -297,7 +297,7 @@ def _stack_excerpt(rank: int, text: str, max_lines: int = 8) -> str:
 # --------------------------------------------------------------------------
 FAULT_ENV = "MINIFSDP_FAULT"
 FAULT_MODES = ("raise", "oom", "kill", "term", "segv", "hang", "desync")
-_state: dict[str, Any] = {"installed": False, "step": None, "recorder": None}
+_state: dict[str, Any] = {"installed": False, "step": None}
 
 
 def _rank() -> int:
@@ -311,8 +311,7 @@ def install() -> None:
         return
     _state["installed"] = True
     if not flight_recorder.recording():  # launch's workers record already
-        _state["recorder"] = flight_recorder.record_collectives()  # kept: for the rest of the process
-        _state["recorder"].__enter__()
+        flight_recorder.enable()
     previous = sys.excepthook
 
     def one_line(exc_type: type, exc: BaseException, tb: Any) -> None:
@@ -339,21 +338,20 @@ def inject(step: int, spec: str | None = None) -> None:
     ``spec`` is ``RANK:MODE:STEP``, e.g. ``1:kill:2``; MODE is one of ``raise`` (a RuntimeError),
     ``oom`` (an impossible allocation), ``kill`` / ``term`` (SIGKILL / SIGTERM to itself), ``segv``
     (a real segmentation fault), ``hang`` (sleeps outside any collective) or ``desync`` (an
-    all-gather only this rank calls, while its peers go on to their next collective). A trainer calls it once per step; the first call also runs
-    ``install()`` so that, under torchrun, a failing rank prints its one-line cause.
+    all-gather only this rank calls, while its peers go on to their next collective). A trainer
+    calls it once per step; the first call also runs ``install()`` so that, under torchrun, a
+    failing rank prints its one-line cause. A malformed spec is refused before anything runs.
     """
-    install()
-    _state["step"] = step
     spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
-    if not spec:
-        return
     parts = spec.split(":")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit() or parts[1] not in FAULT_MODES:
+    if spec and (len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit() or parts[1] not in FAULT_MODES):
         raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:MODE:STEP with MODE one of {', '.join(FAULT_MODES)} "
                          "(e.g. MINIFSDP_FAULT=1:kill:2)")
-    rank, mode, at = int(parts[0]), parts[1], int(parts[2])
-    if rank != _rank() or at != step:
+    install()
+    _state["step"] = step
+    if not spec or int(parts[0]) != _rank() or int(parts[2]) != step:
         return
+    rank, mode = int(parts[0]), parts[1]
     print(f"[minifsdp] rank {rank}: {FAULT_ENV} injects '{mode}' at step {step}", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError(f"{FAULT_ENV} injected a failure at step {step}")

@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Collective", "CollectiveMismatchError", "record_collectives", "read", "current", "recording", "disagreement",
-           "CHECK_ENV"]
+__all__ = ["Collective", "CollectiveMismatchError", "record_collectives", "enable", "read", "current", "recording",
+           "disagreement", "CHECK_ENV"]
 
 CHECK_ENV = "MINIFSDP_CHECK_COLLECTIVES"
 SLOT_BYTES = 512
@@ -56,6 +56,7 @@ _OP_NAME = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_ga
             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
             "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}
 _STATES = {"I": "in", "D": "done", "A": "issued"}  # issued: an async call that returned a handle
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -88,7 +89,7 @@ class Collective:
 
 def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
-        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+        return f"{_DTYPE_NAMES.get(x.dtype) or str(x.dtype)[6:]}{list(x.shape)}"
     if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
         same = all(t.shape == x[0].shape and t.dtype == x[0].dtype for t in x)
         return f"{len(x)} x {_describe(x[0])}" if same else ", ".join(_describe(t) for t in x)
@@ -106,7 +107,8 @@ class _Recorder:
 
     def __init__(self, path: str | None, check: bool):
         self.check = check
-        self.last: Collective | None = None
+        self._call: tuple[str, int, str, str] | None = None  # op, seq, tensors, group of the last call
+        self._state = "done"
         self._seq: dict[Any, int] = {}
         self._groups: dict[Any, str] = {}
         self._local = threading.local()  # a collective called inside one (all_gather_object) is not counted
@@ -132,37 +134,43 @@ class _Recorder:
             self._groups[key] = f"ranks {tdist.get_process_group_ranks(group)}"
         return self._groups[key]
 
-    def _publish(self, c: Collective) -> None:
-        self.last = c
+    @property
+    def last(self) -> Collective | None:
+        return None if self._call is None else Collective(*self._call, self._state)
+
+    def _publish(self, call: tuple[str, int, str, str]) -> None:
+        """Entering ``call``: the whole line (state "I"), one copy into the mapped file."""
+        self._call, self._state = call, "in"
         if self._map is not None:
-            line = "\t".join((c.state[0].upper(), str(c.seq), c.op, c.tensors, c.group)).encode()[:SLOT_BYTES - 1]
+            op, seq, tensors, group = call
+            line = f"I\t{seq}\t{op}\t{tensors}\t{group}".encode()[:SLOT_BYTES - 1]
             self._map[:] = line.ljust(SLOT_BYTES, b" ")
 
     def _finished(self, state: str) -> None:
-        c = self.last
-        if c is not None:
-            self.last = Collective(c.op, c.seq, c.tensors, c.group, state)
-            if self._map is not None:
-                self._map[0:1] = state[0].upper().encode()
+        """The call returned: only the state byte changes."""
+        self._state = state
+        if self._map is not None:
+            self._map[0:1] = b"D" if state == "done" else b"A"
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         op = _OP_NAME.get(name, name)
+        point_to_point = op in ("send", "recv")
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._local, "inside", False):
                 return fn(*args, **kwargs)
-            group = kwargs.get("group")
-            if group is None:
+            if "group" in kwargs:  # how comm, and most code, passes it
+                group = kwargs["group"]
+            else:
                 group = next((a for a in args if isinstance(a, tdist.ProcessGroup)), None)
-            key = (id(group) if group is not None else None, op in ("send", "recv"))
+            key = (None if group is None else id(group), point_to_point)
             seq = self._seq[key] = self._seq.get(key, 0) + 1
-            call = Collective(op, seq, _tensors(args, kwargs), self._group_name(group), "in")
-            self._publish(call)
+            self._publish((op, seq, _tensors(args, kwargs), self._group_name(group)))
             self._local.inside = True
             try:
-                if self.check and not call.point_to_point:
-                    _compare_across(call, group)
+                if self.check and not point_to_point:
+                    _compare_across(self.last, group)
                 result = fn(*args, **kwargs)
             finally:  # an exception leaves the state "in": the rank was in this call when it failed
                 self._local.inside = False
@@ -209,25 +217,32 @@ def record_collectives(path: str | None = None, check: bool | None = None) -> It
     it in memory only (``current()``). ``check`` defaults to ``MINIFSDP_CHECK_COLLECTIVES=1``.
     """
     global _active
-    if check is None:
-        check = os.environ.get(CHECK_ENV, "0") == "1"
-    recorder = _Recorder(path, check)
-    names = [n for n in (*_COLLECTIVES, *_POINT_TO_POINT) if hasattr(tdist, n)]
-    originals = {n: getattr(tdist, n) for n in names}
-    previous, _active = _active, recorder
-    for n, fn in originals.items():
-        setattr(tdist, n, recorder.wrap(n, fn))
+    previous = _active
+    originals = enable(path, check)
     try:
         yield
     finally:
         for n, fn in originals.items():
             setattr(tdist, n, fn)
+        _active.close()  # type: ignore[union-attr]
         _active = previous
-        recorder.close()
+
+
+def enable(path: str | None = None, check: bool | None = None) -> dict[str, Callable]:
+    """Record from now on, for the rest of the process (as ``faulthandler.enable``); returns the originals."""
+    global _active
+    if check is None:
+        check = os.environ.get(CHECK_ENV, "0") == "1"
+    _active = _Recorder(path, check)
+    names = [n for n in (*_COLLECTIVES, *_POINT_TO_POINT) if hasattr(tdist, n)]
+    originals = {n: getattr(tdist, n) for n in names}
+    for n, fn in originals.items():
+        setattr(tdist, n, _active.wrap(n, fn))
+    return originals
 
 
 def recording() -> bool:
-    """Whether this process is inside ``record_collectives``."""
+    """Whether this process records its collectives (``record_collectives`` or ``enable``)."""
     return _active is not None
 
 

@@ -74,6 +74,8 @@ from .faults import LaunchError, LaunchTimeout, WorkerError
 __all__ = ["launch", "LaunchError", "WorkerError", "LaunchTimeout", "max_world_size"]
 
 _GRACE_AFTER_FIRST_ERROR_S = 1.0
+# Read by workers, passed as the caller has them now: the forkserver's own environment is older.
+_FORWARDED_ENV = (faults.FAULT_ENV,)
 # A worker that died without a report: its last words, if any, are already in the queue's pipe.
 _SILENT_DEATH_S = 0.5
 
@@ -100,8 +102,14 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(rank: int, world_size: int, payload: bytes, run_dir: str,
                  backend: str, timeout_s: float, threads: int, parent_pid: int,
-                 results: "mp.Queue", pretend_gpu: bool = False, check: bool = False) -> None:
+                 results: "mp.Queue", pretend_gpu: bool = False, check: bool = False,
+                 env: dict[str, str | None] | None = None) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    for name, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     # Where is this rank stuck? Dump every thread's stack just before the deadline, or when it crashes.
     with open(faults.stack_path(run_dir, rank), "w") as stack_out:
         faulthandler.enable(file=stack_out, all_threads=True)
@@ -260,7 +268,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     run_dir = tempfile.mkdtemp(prefix="minifsdp-launch-")  # the rendezvous file, each rank's stack and collective
     procs = [ctx.Process(target=_worker_main, name=f"minifsdp-rank{r}", daemon=True,
                          args=(r, world_size, payload, run_dir, backend, timeout, threads, os.getpid(), results,
-                               pretend_gpu, check_collectives))  # decided here, as check_collectives
+                               pretend_gpu, check_collectives,  # decided here, as check_collectives
+                               {name: os.environ.get(name) for name in _FORWARDED_ENV}))
              for r in range(world_size)]
     started = time.perf_counter()
     outcomes: dict[int, tuple] = {}

@@ -25,7 +25,7 @@ from minifsdp import LaunchTimeout, WorkerError, comm, dist, faults, flight_reco
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _train_steps(fault: str, steps: int = 4) -> float:
+def _train_steps(fault: str | None, steps: int = 4) -> float:
     """A training loop in miniature: one all-reduce a step, and the fault hook a trainer calls."""
     t = torch.ones(4)
     for step in range(steps):
@@ -88,8 +88,9 @@ def test_a_rank_out_of_memory_names_the_fix():
     ("term", "SIGTERM", "scheduler"),
     ("segv", "SIGSEGV", "segmentation fault"),
 ])
-def test_a_rank_killed_by_a_signal(mode, signal_name, usual_cause):
-    message, _ = _fails(WorkerError, 60, _train_steps, f"1:{mode}:2", timeout=60)
+def test_a_rank_killed_by_a_signal(mode, signal_name, usual_cause, monkeypatch):
+    monkeypatch.setenv("MINIFSDP_FAULT", f"1:{mode}:2")  # as a trainer's user sets it: launch hands it to the workers
+    message, _ = _fails(WorkerError, 60, _train_steps, None, timeout=60)
     first = message.splitlines()[0]
     code = {"kill": -9, "term": -15, "segv": -11}[mode]
     assert first.startswith(f"rank 1 was killed by signal {signal_name} (exit code {code})"), first
@@ -162,8 +163,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode, ours, torchruns", [
-    ("raise", "[minifsdp] rank 1 at step 2 failed: RuntimeError: MINIFSDP_FAULT injected a failure at step 2",
-     "exitcode  : 1"),
+    ("raise", "[minifsdp] rank 1 at step 2 failed: RuntimeError: MINIFSDP_FAULT injected a failure at step 2 "
+              "(in <module>, line 8 of steps.py)", "exitcode  : 1"),
     ("kill", "[minifsdp] rank 1: MINIFSDP_FAULT injects 'kill' at step 2", "Signal 9 (SIGKILL)"),
 ])
 def test_under_torchrun(tmp_path, mode, ours, torchruns):

@@ -25,14 +25,15 @@ import minifsdp
 
 # DESIGN.md's layers, first to last: a module imports only from its own layer or an earlier one.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("runtime", {"", "dist", "launch", "fake_gpu", "faults", "flight_recorder"}),  # "": minifsdp/__init__.py, which re-exports launch
+    # "": minifsdp/__init__.py, which re-exports launch
+    ("runtime", {"", "dist", "launch", "fake_gpu", "faults", "flight_recorder"}),
     ("recording", {"trace", "memory"}),
     ("communication", {"comm"}),
     ("leaves", {"models", "data", "estimate", "planner", "layout", "step_time"}),
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
                     "context_parallel", "expert_parallel"}),
-    ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records", "calibrate",
-               "strategies", "save_resume"}),
+    ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
+               "strategies", "calibrate", "save_resume"}),
 ]
 
 
