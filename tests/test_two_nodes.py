@@ -6,8 +6,9 @@ processes each, meet at a loopback address (static rendezvous: ``--master-addr
 one would type on two machines with the first one's address. One pair runs every
 strategy one after another (tests/two_nodes_driver.py); each run's ``metrics.json``
 losses must equal ``--strategy single``'s within test_train.py's tolerance, and its
-bytes per step the record's prediction (HYBRID_SHARD's all-reduce runs across the
-nodes, its gathers inside them).
+bytes per step the record's prediction. The static rendezvous gives node 0 ranks 0
+and 1 (checked), so HYBRID_SHARD's 2 x 2 layout shards inside each node and
+all-reduces across the two, as on real machines.
 """
 
 from __future__ import annotations
