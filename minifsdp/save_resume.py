@@ -16,14 +16,13 @@ One checkpoint is one DCP state dict, keyed by the *single model's* parameter na
 
 How a strategy's model and optimizer become name-keyed is its record's ``state`` (``records.Strategy``):
 
-* ``ByName`` (the default): the wrapped model's parameters under their names with the wrappers' hops
-  dropped (``module.``, ``stage_modules.N.``, ``_checkpoint_wrapped_module.``), the optimizer's state under
-  the same names. A replicated tensor (DDP's, a pipeline replica's) is the same on every rank: DCP writes it
-  once. ZeRO's partitioned optimizer (OSS, ZeroRedundancyOptimizer) names only the parameters its rank owns;
-  a pipeline rank only its stages'; expert parallel only its experts (global numbers). Pieces are DTensors:
-  ``fully_shard``'s (fsdp2), torch's tensor parallel, and a Megatron split (tp, 3d), made one over the tp
-  group, sharded on the dimension where its shape differs from the model's (q, k, v stay in their split's
-  order: a resume keeps ``--tp``). So each rank saves what it holds and loads what it will hold: DCP reshards.
+* ``ByName`` (the default): the wrapped model's parameters under their names, wrappers' hops dropped
+  (``module.``, ``stage_modules.N.``, ``_checkpoint_wrapped_module.``), the optimizer's state under the same
+  names. A replicated tensor (DDP's) is the same on every rank: DCP writes it once. ZeRO's partitioned
+  optimizer names only the parameters its rank owns, a pipeline rank its stages', expert parallel its
+  experts. Pieces are DTensors: ``fully_shard``'s (fsdp2), torch's tensor parallel, and a Megatron split
+  (tp, 3d) made one over the tp group, sharded where its shape differs from the model's (q, k, v in their
+  split's order: a resume keeps ``--tp``). Each rank saves what it holds, loads what it will hold: DCP reshards.
 * ``FullFlatFSDP`` (fsdp, fsdp+tp): a flat shard mixes parameters, so it is gathered (FULL_STATE_DICT on
   every rank) and loaded back through FSDP's own load; DCP still writes each tensor once.
 * ``TorchState`` (torch-fsdp): ``torch.distributed.checkpoint.state_dict``'s get / set (ShardedTensors).
@@ -48,7 +47,7 @@ from typing import Any, Iterator, Protocol
 import torch
 import torch.distributed as tdist
 
-from . import dist, models
+from . import dist, models, trace
 from .records import Built, Strategy, TrainConfig
 
 __all__ = ["Checkpointer", "StateHook", "ByName", "FullFlatFSDP", "TorchState", "check_resume", "resolve",
@@ -247,8 +246,7 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def _layout(cfg: TrainConfig, record: Strategy) -> dict[str, int]:
-    layout = record.layout(cfg)
-    return {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "cp": layout.cp, "ep": layout.ep}
+    return {d: getattr(record.layout(cfg), d) for d in ("dp", "pp", "tp", "cp", "ep")}
 
 
 def check_resume(cfg: TrainConfig, record: Strategy) -> None:
@@ -322,9 +320,16 @@ class Checkpointer:
     the RNG states and the step are added here."""
 
     def __init__(self, cfg: TrainConfig, record: Strategy, built: Built, scaler: Any) -> None:
-        self.cfg, self.record, self.scaler = cfg, record, scaler
-        self.hook: StateHook = (record.state or ByName)(built, cfg)
+        self.cfg, self.record, self.built, self.scaler = cfg, record, built, scaler
+        self._hook: StateHook | None = None
         self.root = os.path.join(cfg.out, "checkpoints")
+
+    @property
+    def hook(self) -> StateHook:
+        """Made on first use: a run that neither saves nor resumes builds nothing (no tp mesh, no meta model)."""
+        if self._hook is None:
+            self._hook = (self.record.state or ByName)(self.built, self.cfg)
+        return self._hook
 
     def _state_dict(self, ranks: set[int]) -> dict[str, Any]:
         state = self.hook.state_dict()
@@ -347,10 +352,11 @@ class Checkpointer:
 
         path = resolve(self.cfg.resume)
         meta = read_meta(path)
-        state = self._state_dict(set(range(meta["world_size"])))
-        with _one_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
-        self.hook.load_state_dict(state)
+        with trace.span("resume", step=meta["step"]):
+            state = self._state_dict(set(range(meta["world_size"])))
+            with _one_process_quiet():
+                dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
+            self.hook.load_state_dict(state)
         if "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get(f"rank{dist.rank()}", {})
@@ -366,6 +372,10 @@ class Checkpointer:
         return self.save(step) if every and step % every == 0 else None
 
     def save(self, step: int) -> str:
+        with trace.span("save", step=step):
+            return self._save(step)
+
+    def _save(self, step: int) -> str:
         import torch.distributed.checkpoint as dcp
 
         final = os.path.join(self.root, f"step_{step}")
