@@ -27,9 +27,9 @@ How a strategy's model and optimizer become name-keyed is its record's ``state``
   every rank) and loaded back through FSDP's own load; DCP still writes each tensor once.
 * ``TorchState`` (torch-fsdp): ``torch.distributed.checkpoint.state_dict``'s get / set (ShardedTensors).
 
-Atomic writes: every rank writes into ``step_N.tmp`` (``dcp.save``: its ``.distcp`` file, then the
-coordinator's ``.metadata``; rank 0 adds ``meta.json``); a barrier (every rank's files are written); rank 0
-renames ``step_N.tmp`` to ``step_N`` (one rename) and replaces ``latest`` (written, then renamed). A run
+Atomic writes: every rank writes into ``step_N.tmp`` (``dcp.save``: its ``.distcp`` file; the coordinator,
+rank 0, gathers every rank's result, then writes ``.metadata``); rank 0 adds ``meta.json``, renames
+``step_N.tmp`` to ``step_N`` (one rename) and replaces ``latest`` (written, then renamed). A run
 killed before the rename leaves ``step_N.tmp``, which is never loaded: ``--resume`` takes the checkpoints
 folder (``latest``, else its newest complete ``step_N``) or one complete ``step_N``.
 """
@@ -379,12 +379,9 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         final = os.path.join(self.root, f"step_{step}")
-        tmp = final + ".tmp"
-        if dist.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier: start it again
-            os.makedirs(tmp)
-        _barrier()
-        with _one_process_quiet():
+        tmp = final + ".tmp"  # a save killed earlier left one? its files are overwritten, and it was never read
+        os.makedirs(tmp, exist_ok=True)
+        with _one_process_quiet():  # returns once the coordinator has every rank's files and wrote .metadata
             dcp.save(self._state_dict({dist.rank()}), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
         if dist.rank() == 0:
             meta = {"step": step, "strategy": self.cfg.strategy, "model": self.cfg.model,
@@ -392,8 +389,6 @@ class Checkpointer:
                     "precision": self.cfg.precision, "batch_size": self.cfg.batch_size, "seed": self.cfg.seed,
                     "params": model_shapes(self.cfg.model)}
             _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
-        _barrier()  # every rank's file is written
-        if dist.rank() == 0:
             _commit(tmp, final, self.root, step)
         _barrier()  # no rank goes on before the checkpoint exists
         return final

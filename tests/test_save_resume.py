@@ -1,7 +1,8 @@
 """Save and resume in the trainer (``--save-every``, ``--resume``; minifsdp.save_resume).
 
-* every record in ``STRATEGIES`` (minifsdp's and torch's) trains 2 steps saving after each, then a fresh
-  run resumes from step 1: its loss at step 1 equals the uninterrupted run's exactly (fp32, same layout);
+* every record in ``STRATEGIES`` (minifsdp's and torch's) trains 4 steps saving every 2, then a fresh run
+  resumes from step 2: its losses at steps 2 and 3 equal the uninterrupted run's exactly (fp32, same
+  layout; step 3's loss depends on the optimizer state resumed, step 2's on the parameters);
 * the checkpoint is DCP's file set (one ``.distcp`` per rank, ``.metadata``) keyed by the single model's
   parameter names, whatever the strategy (pieces and stages included);
 * a checkpoint saved at 2 ranks resumes at 1 and at 4 (ddp, zero2, fsdp, fsdp2): the losses match the
@@ -29,6 +30,7 @@ LOSS_RTOL = 1e-5  # tests/test_train.py's parity tolerance
 FLAGS = {"3d": dict(dp=1, pp=2, tp=1), "pp+dp": dict(pp=2, dp=1), "fsdp+tp": dict(dp=1, tp=2),
          "torch-fsdp+tp": dict(dp=1, tp=2), "ep": dict(model="gpt-moe-tiny")}
 ANOTHER_WORLD = ("ddp", "zero2", "fsdp", "fsdp2")
+STEPS, SAVED = 4, 2  # the uninterrupted run's steps; the checkpoint a resume starts from (step_2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,24 +43,25 @@ def one_thread():
 
 
 def _cfg(name: str, root: str, world_size: int = 2, **kw) -> TrainConfig:
-    flags = dict(world_size=1 if name == "single" else world_size, steps=2, track_memory=False, write_plots=False, quiet=True)
+    flags = dict(world_size=1 if name == "single" else world_size, steps=STEPS, track_memory=False,
+                 write_plots=False, quiet=True)
     return TrainConfig(strategy=name, **{"out": os.path.join(root, name), **flags, **FLAGS.get(name, {}), **kw})
 
 
 def _resumed(cfg: TrainConfig, root: str, world_size: int) -> TrainConfig:
-    """The run that resumes ``cfg``'s checkpoint of step 1, at ``world_size`` ranks, into a folder of its own."""
+    """The run that resumes ``cfg``'s checkpoint of step 2, at ``world_size`` ranks, into a folder of its own."""
     return dataclasses.replace(cfg, world_size=world_size, save_every=0, out=f"{cfg.out}-resumed-{world_size}",
-                               resume=os.path.join(cfg.out, "checkpoints", "step_1"))
+                               resume=os.path.join(cfg.out, "checkpoints", f"step_{SAVED}"))
 
 
 def _save_then_resume(names: list[str], root: str, save: bool = True) -> dict:
-    """On every rank, for each record: (save) 2 steps saving after each; then a fresh run from step 1."""
+    """On every rank, for each record: (save) 4 steps saving every 2; then a fresh run from step 2."""
     from minifsdp import dist, train
     from minifsdp.tensor_parallel import destroy_model_parallel
 
     out = {}
     for name in names:
-        cfg = _cfg(name, root, save_every=1)
+        cfg = _cfg(name, root, save_every=SAVED)
         first = train.run_rank(cfg) if save else None
         destroy_model_parallel()  # the next record may split the world another way
         again = _resumed(cfg, root, dist.world_size())
@@ -82,8 +85,8 @@ def test_every_record_resumes_bit_exact(runs):
     _, results = runs
     assert set(results) == set(STRATEGIES)  # no record left without a save/resume path
     for name, (first, resumed) in results.items():
-        assert resumed["first_step"] == 1 and len(first["losses"]) == 2, name
-        assert resumed["losses"] == first["losses"][1:], f"{name}: {resumed['losses']} != {first['losses'][1:]}"
+        assert resumed["first_step"] == SAVED and len(first["losses"]) == STEPS, name
+        assert resumed["losses"] == first["losses"][SAVED:], f"{name}: {resumed['losses']} != {first['losses']}"
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp2", "zero2", "pp", "tp", "ep", "torch-fsdp"])
@@ -93,9 +96,9 @@ def test_checkpoint_is_a_dcp_file_set_keyed_by_the_model_names(runs, name):
     from minifsdp.save_resume import model_shapes, read_meta
 
     root, _ = runs
-    path = os.path.join(root, name, "checkpoints", "step_1")
+    path = os.path.join(root, name, "checkpoints", f"step_{SAVED}")
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json"} <= set(os.listdir(path))
-    assert read_meta(path)["step"] == 1 and read_meta(path)["world_size"] == 2
+    assert read_meta(path)["step"] == SAVED and read_meta(path)["world_size"] == 2
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     shapes = model_shapes(_cfg(name, root).model)
     model = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
@@ -114,7 +117,7 @@ def test_resume_at_another_data_parallel_world_size(runs, world_size):
     resumed = launch(_resume_at, world_size, list(names), root, timeout=300)[0]
     for name in names:
         _, again = resumed[name]
-        expected = results[name][0]["losses"][1:]
+        expected = results[name][0]["losses"][SAVED:]
         assert again["losses"] == pytest.approx(expected, rel=LOSS_RTOL), (name, world_size)
 
 
@@ -131,7 +134,7 @@ def _killed_in_save(root: str) -> None:
         commit(tmp, final, ckpt_root, step)
 
     save_resume._commit = die_on_second
-    train.run_rank(_cfg("single", root, world_size=1, steps=3, save_every=1))
+    train.run_rank(_cfg("single", root, save_every=1))
 
 
 def test_a_run_killed_during_save_resumes_from_the_previous_checkpoint(runs, tmp_path):
@@ -145,12 +148,12 @@ def test_a_run_killed_during_save_resumes_from_the_previous_checkpoint(runs, tmp
     assert {".metadata", "meta.json", "__0_0.distcp"} <= set(os.listdir(half))  # everything but the commit
     assert not (ckpts / "step_2").exists() and (ckpts / LATEST).read_text().strip() == "step_1"
     assert resolve(str(ckpts)) == str(ckpts / "step_1")
-    cfg = _cfg("single", str(tmp_path), world_size=1, resume=str(ckpts), out=str(tmp_path / "again"))
+    cfg = _cfg("single", str(tmp_path), resume=str(ckpts), out=str(tmp_path / "again"))
     with pytest.raises(ValueError, match="half-written checkpoint.*takes the latest complete one"):
         train.validate(dataclasses.replace(cfg, resume=str(half)))
     train.validate(cfg)
     resumed = train.run_rank(cfg)
-    assert resumed["first_step"] == 1 and resumed["losses"] == results["single"][0]["losses"][1:]
+    assert resumed["first_step"] == 1 and resumed["losses"] == results["single"][0]["losses"][1:]  # steps 1-3
 
 
 def _scaler_state(path: str) -> dict:
@@ -179,7 +182,7 @@ def test_fp16_gradient_scaler_state_resumes(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(model="gpt-mini"), "holds --model gpt-tiny: resume with --model gpt-tiny"),
     (dict(strategy="ddp"), "saved by --strategy fsdp: resume with --strategy fsdp"),
-    (dict(steps=1), "at step 1 already: pass --steps > 1"),
+    (dict(steps=2), "at step 2 already: pass --steps > 2"),
     (dict(precision="fp16"), "saved with --precision fp32.*resume with --precision fp32"),
     (dict(strategy="tp", tp=1, world_size=1, resume="tp"), "split 2 ways.*resume with --tp 2"),
     (dict(resume="nowhere"), "not a folder: give a checkpoints folder"),
@@ -190,7 +193,7 @@ def test_a_resume_it_cannot_load_is_refused_before_it_starts(runs, change, messa
     root, _ = runs
     saved_by = change.pop("resume", "fsdp")
     resume = {"nowhere": os.path.join(root, "nowhere"), "": root}.get(
-        saved_by, os.path.join(root, saved_by, "checkpoints", "step_1"))
+        saved_by, os.path.join(root, saved_by, "checkpoints", f"step_{SAVED}"))
     cfg = _cfg(change.get("strategy", "fsdp"), root, resume=resume, **{
         k: v for k, v in change.items() if k != "strategy"})
     with pytest.raises(ValueError, match=message) as err:
