@@ -172,7 +172,7 @@ def _stack_frames(text: str) -> list[tuple[str, str, str]]:
     return list(reversed(re.findall(r'File "([^"]+)", line (\d+) in (\S+)', main[0])))
 
 
-def _cause(rank: int, outcome: tuple, call: flight_recorder.Collective | None, stack: str) -> str:
+def _cause(outcome: tuple, call: flight_recorder.Collective | None, stack: str) -> str:
     """What one rank died of, without its rank: 'failed: ValueError: ... (in f, line 3 of x.py)'."""
     inside = f" in {call.call()}" if call is not None and call.state == "in" else ""
     if outcome[1] == "exit":
@@ -241,14 +241,14 @@ def _worker_error(failed: dict[int, tuple], calls: dict, stacks: dict[int, str])
     # Each distinct error once, with the ranks that raised it (and the first one's line of code).
     by_error: dict[str, list[int]] = {}
     for r in sorted(causes):
-        key = causes[r][2] if causes[r][1] == "error" else _cause(r, causes[r], calls[r], stacks[r])
+        key = causes[r][2] if causes[r][1] == "error" else _cause(causes[r], calls[r], stacks[r])
         by_error.setdefault(key, []).append(r)
-    lines = [f"{_rank_list(ranks)} {_cause(ranks[0], causes[ranks[0]], calls[ranks[0]], stacks[ranks[0]])}"
+    lines = [f"{_rank_list(ranks)} {_cause(causes[ranks[0]], calls[ranks[0]], stacks[ranks[0]])}"
              for ranks in by_error.values()]
     desync = flight_recorder.disagreement(calls)
     if desync and not any(desync in line for line in lines):
         lines.insert(0, desync)
-    tracebacks = {r: o[3] if o[1] == "error" else f"rank {r} {_cause(r, o, calls[r], stacks[r])}\n{stacks[r]}"
+    tracebacks = {r: o[3] if o[1] == "error" else f"rank {r} {_cause(o, calls[r], stacks[r])}\n{stacks[r]}"
                   for r, o in causes.items()}
     error = WorkerError("\n".join(lines) + "\n(each rank's full traceback: err.tracebacks[rank])", tracebacks)
     first = causes[min(causes)]
@@ -324,7 +324,7 @@ def install() -> None:
         if _is_peer_failure(outcome):
             cause = "lost a peer: the cause is on another rank (its line above, or torchrun's report below)"
         else:
-            cause = _cause(outcome[0], outcome, None, "")
+            cause = _cause(outcome, None, "")
         call = flight_recorder.current()
         inside = f" in {call.call()}" if call is not None and call.state == "in" else ""
         print(f"[minifsdp] rank {outcome[0]}{step}{inside} {cause}", file=sys.stderr, flush=True)

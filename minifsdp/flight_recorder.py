@@ -23,10 +23,12 @@ one entry deep:
   the group *before* each collective (one ``all_gather_object``, i.e. two small
   collectives more per call) and raises ``CollectiveMismatchError`` on every
   rank at the first disagreement, instead of a hang or an abort. A debugging
-  mode: a small all-reduce costs about three times as long.
+  mode: a small all-reduce takes several times as long (docs/faults.md).
 
-Point-to-point calls (send/recv) are recorded too but never compared: a send
-on one rank and a recv on its peer is the matching pair, not a desync.
+Blocking point-to-point calls (send/recv) are recorded too but never compared: a
+send on one rank and a recv on its peer is the matching pair, not a desync.
+``isend``/``irecv`` are not wrapped (torch tells a ``P2POp``'s direction by the
+function's identity), so a pipeline's async transfers do not show.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ SLOT_BYTES = 512
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                 "reduce_scatter_tensor", "reduce_scatter_single", "reduce", "broadcast", "all_to_all",
                 "all_to_all_single", "gather", "scatter", "barrier", "all_gather_object", "broadcast_object_list")
-_POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+_POINT_TO_POINT = ("send", "recv")  # not isend / irecv: batch_isend_irecv checks `op is isend`
 # torch.distributed's name -> the op it performs (old and new spellings of one collective are one op).
 _OP_NAME = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-            "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}
+            "all_to_all_single": "all_to_all"}
 _STATES = {"I": "in", "D": "done", "A": "issued"}  # issued: an async call that returned a handle
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 

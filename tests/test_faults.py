@@ -125,6 +125,22 @@ def test_ranks_in_different_collectives_caught_before_the_call(fn, args, rank_1)
                               f"#3 (float32[4]), rank 1 in {rank_1} (caught before the call by check_collectives)")
 
 
+def test_a_rank_aborted_by_gloo_for_a_desync_is_explained_from_the_recorder(tmp_path):
+    """gloo aborts a rank (SIGABRT) when the byte counts differ; what each rank was in survives in its slot."""
+    for rank, numel in ((0, 4), (1, 6)):
+        slot = flight_recorder._Recorder(faults.slot_path(str(tmp_path), rank), check=False)
+        slot._publish(("all_reduce", 3, f"float32[{numel}]", ""))
+        slot.close()
+    peer = "RuntimeError: Connection closed by peer"
+    outcomes = {0: (0, "exit", -6), 1: (1, "error", peer, f"Traceback ...\n{peer}", None)}
+    error = faults.failure(outcomes, 2, 60.0, str(tmp_path))
+    assert isinstance(error, WorkerError) and error.ranks == [0]  # the peer's symptom is not a cause
+    lines = str(error).splitlines()
+    assert lines[0] == "ranks disagree: rank 0 in all_reduce #3 (float32[4]), rank 1 in all_reduce #3 (float32[6])"
+    assert lines[1].startswith("rank 0 was killed by signal SIGABRT (exit code -6) in all_reduce #3 (float32[4]): "
+                               "native code gave up: gloo and NCCL abort like this when the ranks' collectives disagree")
+
+
 def test_the_fault_spec_is_checked():
     with pytest.raises(ValueError, match="must be RANK:MODE:STEP"):
         faults.inject(0, "1:explode:2")
