@@ -1,39 +1,37 @@
 """Benchmark minifsdp's strategies side by side with PyTorch's own, in one run.
 
-Front layer. ``python -m minifsdp.bench`` trains the same model on the same
-data with each side of a pair (``ddp`` vs ``torch-ddp``, ``fsdp`` vs
-``torch-fsdp``, ...; ``fsdp2`` vs ``fsdp`` puts our per-parameter and flat-unit
-FSDP side by side) at each world size, alternating the order of the pair
-between repeats so that a noisy machine hurts both sides alike, and reports
-medians and ratios (ours / the reference, torch's in every pair but ``fsdp2:fsdp``):
+Front layer. ``python -m minifsdp.bench`` trains the same model on the same data with each side of a
+pair (``ddp`` vs ``torch-ddp``, ``fsdp`` vs ``torch-fsdp``, ...; ``fsdp2`` vs ``fsdp`` puts our
+per-parameter and flat-unit FSDP side by side) at each world size, alternating the order of the pair
+between repeats so that a noisy machine hurts both sides alike, and reports medians and ratios (ours /
+the reference, torch's in every pair but ``fsdp2:fsdp``):
 
-* step time — the median over the steps after ``--warmup``, then the median
-  over repeats (timing runs do *not* track memory: tracking costs ~1.3x);
+* step time — the median over the steps after ``--warmup``, then the median over repeats (timing
+  runs do *not* track memory: tracking costs ~1.3x);
 * peak memory — one extra short run per side with the memory tracker;
-* bytes moved per step — from the tracer's comm spans, in the ZeRO paper's
-  units (``comm.collective_bytes``). minifsdp records its own collectives;
-  torch's are counted by ``torch_reference.count_collectives`` (and a DDP
-  comm hook for DDP's C++ all-reduce), so both columns are measured. The
-  third column, *expected*, is ``estimate.comm_bytes_per_step`` for the
-  model's structure (``expected_bytes``; ``estimate.fully_shard_comm_bytes``
-  for fsdp2, padded per parameter), padding included; minifsdp must
-  move exactly that. *paper* is the ZeRO paper's k·4Ψ bytes for Ψ fp32 parameters (``estimate.paper_comm_bytes``).
+* bytes moved per step — from the tracer's comm spans, in the ZeRO paper's units
+  (``comm.collective_bytes``). minifsdp records its own collectives; torch's are counted by
+  ``torch_reference.count_collectives`` (and a DDP comm hook for DDP's C++ all-reduce), so both columns
+  are measured. The third column, *expected*, is ``estimate.comm_bytes_per_step`` for the model's
+  structure (``expected_bytes``; ``estimate.fully_shard_comm_bytes`` for fsdp2, padded per parameter),
+  padding included; minifsdp must move exactly that. *paper* is the ZeRO paper's k·4Ψ bytes for Ψ fp32
+  parameters (``estimate.paper_comm_bytes``).
 * same losses — both sides' losses agree (rel 1e-5): they trained the same.
-* ``--pin-malloc`` fixes glibc's malloc thresholds for every worker of both
-  sides (``PINNED_MALLOC``). glibc raises its mmap threshold to the largest
-  block freed so far, so a side that frees one big temporary each step (torch's
-  bf16 compress hook: a 13 MB bf16 copy per bucket) keeps later mid-sized blocks
-  (AdamW's temporaries) on the heap, while the other side has them mapped and
-  page-faulted again every step (README's bench section has the measurement).
-* activations (with any ``side#full``/``side#selective``) — what autograd holds
-  after one rank's forward, per ``--checkpoint`` mode: ``estimate``'s prediction
-  beside the memory tracker's measurement (``activation_rows``).
+* predicted — each side's step from ``calibrate.predict_run`` (the planner's bytes and FLOPs through
+  ``--calibration``, measured first by ``python -m minifsdp.calibrate`` when the file is missing).
+* ``--pin-malloc`` fixes glibc's malloc thresholds for every worker of both sides (``PINNED_MALLOC``).
+  glibc raises its mmap threshold to the largest block freed so far, so a side that frees one big
+  temporary each step (torch's bf16 compress hook: a 13 MB bf16 copy per bucket) keeps later mid-sized
+  blocks (AdamW's temporaries) on the heap, while the other side has them mapped and page-faulted again
+  every step (README's bench section has the measurement).
+* activations (with any ``side#full``/``side#selective``) — what autograd holds after one rank's
+  forward, per ``--checkpoint`` mode: ``estimate``'s prediction beside the memory tracker's
+  measurement (``activation_rows``).
 
-A side is ``strategy[@OPTION][#CHECKPOINT][%PRECISION]``, parsed once into a
-``Side``: the option is the sharding strategy (FULL_SHARD, SHARD_GRAD_OP,
-NO_SHARD, HYBRID_SHARD) or, for pipelines, the schedule (for cp, the split); ``#full`` /
-``#selective`` the activation checkpointing; ``%bf16`` / ``%fp16`` /
-``%autocast`` the precision::
+A side is ``strategy[@OPTION][#CHECKPOINT][%PRECISION]``, parsed once into a ``Side``: the option is
+the sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD) or, for pipelines, the
+schedule (for cp, the split); ``#full`` / ``#selective`` the activation checkpointing; ``%bf16`` /
+``%fp16`` / ``%autocast`` the precision::
 
     python -m minifsdp.bench --model gpt-small --world-sizes 2 4 \\
         --pairs ddp:torch-ddp fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP
@@ -44,15 +42,12 @@ NO_SHARD, HYBRID_SHARD) or, for pipelines, the schedule (for cp, the split); ``#
     python -m minifsdp.bench --preset context     # cp@zigzag / cp@naive vs single: full attention, one rank
     python -m minifsdp.bench --preset experts     # ep vs single: the MoE on one process (gpt-moe-small)
 
-HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x
-replicate 2). There torch's FSDP1 switches a shard group of one to NO_SHARD
-*within* that group (it warns), so its replicas never synchronise and its
-losses drift from one process's: the "same losses" column says no.
+HYBRID_SHARD is 2 x (N/2) ranks on one machine (at world size 2: shard 1 x replicate 2). There torch's
+FSDP1 switches a shard group of one to NO_SHARD *within* that group (it warns), so its replicas never
+synchronise and its losses drift from one process's: the "same losses" column says no.
 
-Writes ``bench.json`` and prints a table; README.md quotes it.
-
-Read first: ``train.py`` (each run is one ``train()``) and ``estimate.py``
-(the expected bytes).
+Writes ``bench.json`` and prints a table; README.md quotes it. Read first: ``train.py`` (each run is
+one ``train()``) and ``estimate.py`` (the expected bytes).
 """
 
 from __future__ import annotations
@@ -69,7 +64,7 @@ from typing import Any
 
 import torch
 
-from . import estimate, models
+from . import calibrate, estimate, models
 from .memory import ACTIVATIONS, MemoryTracker
 from .records import TrainConfig, apply_checkpointing
 from .train import STRATEGIES, train, validate
@@ -123,6 +118,7 @@ class BenchConfig:
     out: str = "runs/bench"
     memory: bool = True
     pin_malloc: bool = False
+    calibration: str | None = None  # a calibrate JSON: predicted step times beside the measured
 
 
 # --pin-malloc: glibc's mmap threshold (no dynamic raising) and trim threshold, inherited by every worker
@@ -257,6 +253,9 @@ def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size:
                            "step_s": {k: statistics.median(v) for k, v in times.items()},
                            "step_s_all": times, "bytes_per_step": moved, "losses": losses}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
+    if cfg.calibration:  # torch's side moves and computes what ours does: the same model, its own record
+        row["predicted_s"] = {k: calibrate.predict_run(s.train_config(cfg.model, world_size, cfg.batch_size),
+                                                       calibration=cfg.calibration).step_s for k, s in parsed.items()}
     row["same_losses"] = all(math.isclose(a, b, rel_tol=ours_side.loss_rtol)
                              for a, b in zip(losses[ours], losses[theirs]))
     expected = expected_bytes(cfg.model, ours_side, world_size, cfg.batch_size)
@@ -320,20 +319,22 @@ _PAPER_LABEL = {k: f"{v}·4Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}  # �
 def table(rows: list[dict[str, Any]]) -> str:
     """The README table: one line per pair and world size."""
     mib = 2 ** 20
-    head = ("| world | minifsdp | reference | step ms (ours / ref) | step ratio | peak MiB (ours / ref) "
-            "| peak ratio | MiB moved per step (ours / ref / expected) | paper | ours = expected | same losses |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| world | minifsdp | reference | step ms (ours / ref) | predicted ms (ours / ref) | step ratio | peak MiB"
+            " (ours / ref) | peak ratio | MiB moved per step (ours / ref / expected) | paper | ours = expected "
+            "| same losses |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         ours, theirs = r["ours"], r["theirs"]
-        s, peak, moved = r["step_s"], r.get("peak_bytes"), r["bytes_per_step"]
+        s, peak, moved, p = r["step_s"], r.get("peak_bytes"), r["bytes_per_step"], r.get("predicted_s")
         peak_txt = f"{peak[ours] / mib:.1f} / {peak[theirs] / mib:.1f}" if peak else "-"
         peak_ratio = f"{r['peak_ratio']:.3f}" if peak else "-"
         expected = "-" if r["bytes_expected"] is None else f"{r['bytes_expected'] / mib:.3f}"
         moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {expected}"
         paper = (f"{_PAPER_LABEL[r['bytes_paper_key']]} = {r['bytes_paper'] / mib:.3f}"
                  if r["bytes_paper"] is not None else "-")
+        predicted = f"{p[ours] * 1e3:.0f} / {p[theirs] * 1e3:.0f}" if p else "-"
         lines.append(f"| {r['world_size']} | {ours} | {theirs} | {s[ours] * 1e3:.1f} / {s[theirs] * 1e3:.1f} | "
-                     f"{r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
+                     f"{predicted} | {r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
                      f"{({True: 'yes', False: 'NO'}).get(r['bytes_match'], '-')} | "
                      f"{'yes' if r['same_losses'] else 'NO'} |")
     return "\n".join(lines)
@@ -375,20 +376,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="ours:theirs pairs; a side is strategy[@OPTION][#CHECKPOINT][%PRECISION] (default ddp:torch-ddp)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a named list of pairs (sharding: DDP/ZeRO/FSDP; pipeline: every pp schedule; tensor: tp, fsdp+tp)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=8)
+    for flag, default in (("--steps", 8), ("--warmup", 2), ("--repeats", 3), ("--batch-size", 8)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--calibration", default=calibrate.DEFAULT_PATH, help="calibrate's JSON (measured first if missing)")
     p.add_argument("--pin-malloc", action="store_true",
                    help="fix glibc's malloc thresholds for both sides' workers (see the module docstring)")
     a = p.parse_args(argv)
     pairs = (*PRESETS.get(a.preset, ()), *(a.pairs or ())) or ("ddp:torch-ddp",)
     cfg = BenchConfig(model=a.model or PRESET_MODELS.get(a.preset, "gpt-small"), world_sizes=tuple(a.world_sizes), pairs=pairs, steps=a.steps,
                       warmup=a.warmup, repeats=a.repeats, batch_size=a.batch_size, out=a.out,
-                      memory=not a.no_memory, pin_malloc=a.pin_malloc)
+                      memory=not a.no_memory, pin_malloc=a.pin_malloc, calibration=a.calibration)
     try:
+        if not os.path.exists(a.calibration):
+            calibrate.calibrate((1, *a.world_sizes)).save(a.calibration)
         run(cfg)
     except ValueError as exc:
         sys.exit(f"error: {exc}")

@@ -58,6 +58,7 @@ from typing import Any
 from . import estimate
 from .layout import Layout
 from .models import MODEL_PRESETS, GPTConfig
+from .step_time import Calibration, StepTime, predict_gpt
 
 __all__ = ["Plan", "plan", "tp_param_counts", "tp_comm_bytes", "pp_comm_bytes", "cp_comm_bytes", "ep_comm_bytes",
            "moe_param_counts", "moe_all_to_all_volume"]
@@ -227,13 +228,15 @@ def moe_all_to_all_volume(counts: Any, rank: int, hidden: int, elem: int = 4, fo
 
 @dataclass
 class Plan:
-    """Per-device bytes by category (the most loaded device) and bytes per step by mesh dimension."""
+    """Per-device bytes by category (the most loaded device), bytes per step by mesh dimension and, given a
+    calibration, the predicted step time and MFU (``step_time``)."""
 
     config: GPTConfig
     layout: dict[str, Any]
     params_per_device: int
     memory: dict[str, float]
     comm: dict[str, dict[str, float]] = field(default_factory=dict)
+    time: StepTime | None = None
 
     @property
     def total_memory(self) -> float:
@@ -256,13 +259,16 @@ class Plan:
         for dim, ops in self.comm.items():
             txt = ", ".join(f"{op} {estimate.format_bytes(b)}" for op, b in ops.items()) or "nothing"
             lines.append(f"  moved per step over {dim}: {txt}")
+        if self.time is not None:
+            lines.append(f"  {self.time}")
         return "\n".join(lines)
 
 
 def plan(model: str | GPTConfig, *, batch: int, seq_len: int | None = None, dp: int = 1, tp: int = 1,
          pp: int = 1, micro_batches: int = 1, precision: str = "fp32", checkpointing: bool = False,
          zero_stage: int = 0, sequence_parallel: bool = False, devices: int | None = None,
-         layout: Layout | None = None, cp: int = 1, ep: int = 1, cp_split: str = "zigzag") -> Plan:
+         layout: Layout | None = None, cp: int = 1, ep: int = 1, cp_split: str = "zigzag",
+         calibration: Calibration | None = None) -> Plan:
     """Predict one device's memory and the bytes each mesh dimension moves per optimizer step.
 
     ``batch`` is the global batch (sequences per step). ``zero_stage`` applies
@@ -272,7 +278,8 @@ def plan(model: str | GPTConfig, *, batch: int, seq_len: int | None = None, dp: 
     first stage with one (1F1B). ``cp`` splits every sequence (``cp_split``'s rule:
     zig-zag cuts 2*cp chunks, naive cp); ``ep`` (a divisor of dp) spreads a MoE GPT's
     experts. ``layout`` (a ``layout.Layout``): its dp, pp, tp, cp and ep instead of the
-    keywords, as the trainer runs them.
+    keywords, as the trainer runs them. ``calibration`` (``step_time.Calibration.load()``): ``Plan.time``
+    predicts the step (``step_time.predict_gpt``).
     """
     if layout is not None:
         dp, pp, tp, cp, ep = layout.dp, layout.pp, layout.tp, layout.cp, layout.ep
@@ -341,10 +348,14 @@ def plan(model: str | GPTConfig, *, batch: int, seq_len: int | None = None, dp: 
                                            buffer_bytes=buffers)
         dpc.pop("total", None)
         comm["dp"] = {op: b for op, b in dpc.items() if b}
+    time = None if calibration is None else predict_gpt(
+        calibration, config, batch=batch, seq_len=seq_len, comm=comm, params_per_device=local, dp=dp, tp=tp, pp=pp,
+        cp=cp, ep=ep, micro_batches=micro_batches, virtual_stages=layout.virtual_stages if layout else 1,
+        precision=precision, checkpoint="full" if checkpointing else "none", zero_stage=zero_stage)
     layout = {"dp": dp, "pp": pp, "tp": tp, **{k: n for k, n in (("cp", cp), ("ep", ep)) if n > 1},
               "micro_batches": micro_batches, "precision": precision, "checkpointing": checkpointing,
               "zero_stage": zero_stage, "sequence_parallel": sequence_parallel}
-    return Plan(config, layout, local, memory, comm)
+    return Plan(config, layout, local, memory, comm, time)
 
 
 def _moe_expert_numel(config: GPTConfig) -> int:
