@@ -44,8 +44,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Collective", "CollectiveMismatchError", "record_collectives", "enable", "read", "current", "recording",
-           "disagreement", "CHECK_ENV"]
+__all__ = ["Collective", "CollectiveMismatchError", "record_collectives", "enable", "read", "note", "current",
+           "recording", "disagreement", "CHECK_ENV"]
 
 CHECK_ENV = "MINIFSDP_CHECK_COLLECTIVES"
 SLOT_BYTES = 512
@@ -83,7 +83,8 @@ class Collective:
         """What the rank called, without the state: 'all_reduce #3 (float32[4])'."""
         where = f" on {self.group}" if self.group else ""
         what = f" ({self.tensors})" if self.tensors else ""
-        return f"{self.op} #{self.seq}{where}{what}"
+        count = f" #{self.seq}" if self.seq else ""  # 0: a wait named with ``note``, not a counted call
+        return f"{self.op}{count}{where}{what}"
 
     def __str__(self) -> str:
         return self.call() if self.state == "in" else f"{self.call()}, {self.state}"
@@ -246,6 +247,12 @@ def enable(path: str | None = None, check: bool | None = None) -> dict[str, Call
 def recording() -> bool:
     """Whether this process records its collectives (``record_collectives`` or ``enable``)."""
     return _active is not None
+
+
+def note(what: str) -> None:
+    """Publish a wait that is no collective of the caller's (``launch``'s end-of-run barrier), as "in"."""
+    if _active is not None:
+        _active._publish((what, 0, "", ""))
 
 
 def current() -> Collective | None:

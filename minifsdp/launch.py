@@ -146,7 +146,10 @@ def _run_rank(rank: int, world_size: int, payload: bytes, store_path: str,
         # MINIFSDP_FAKE_GPU=N (a GPU rank): run as if on a GPU, every collective checking its tensors' device (fake_gpu.py).
         with fake_gpu.pretend_gpu() if pretend_gpu else contextlib.nullcontext():
             result = fn(*args, **kwargs)
-        tdist.barrier()  # nobody tears the group down while a peer still talks to it
+        # Nobody tears the group down while a peer still talks to it. Not one of fn's collectives:
+        # named as what it is (a rank that returned early shows as such), and not counted.
+        flight_recorder.note("the end-of-run barrier (its function returned)")
+        tdist.distributed_c10d.barrier()
         tdist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report *everything* to the parent
         tb = traceback.format_exc()
