@@ -43,7 +43,7 @@ NOTEBOOK = ROOT / "solutions" / "10_context_parallel.ipynb"   # light: one short
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 CODE_CELLS = sum(c["cell_type"] == "code" for c in json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"])
-START_TIMEOUT, RUN_TIMEOUT, WIDGET_TIMEOUT = 90, 240, 60   # seconds; never reached on a healthy run
+START_TIMEOUT, RUN_TIMEOUT, WIDGET_TIMEOUT = 60, 180, 60   # s, generous; summed, under pytest's 600 s timeout
 
 pytestmark = [
     pytest.mark.multiprocess, pytest.mark.notebook,   # it starts JupyterLab, a kernel and Chromium
