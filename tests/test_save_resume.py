@@ -9,7 +9,7 @@
   uninterrupted run within the parity tolerance of tests/test_train.py;
 * a run killed (SIGKILL) in the middle of a save leaves the previous checkpoint, which is what a resume
   loads; the half-written folder is refused;
-* fp16: the gradient scaler's state (scale, growth tracker) resumes;
+* fp16: the gradient scaler's state (scale, growth tracker) resumes, and so does the RNG state;
 * a resume into another model, strategy, tensor-parallel split or precision is refused before anything runs.
 """
 
@@ -156,13 +156,34 @@ def test_a_run_killed_during_save_resumes_from_the_previous_checkpoint(runs, tmp
     assert resumed["first_step"] == 1 and resumed["losses"] == results["single"][0]["losses"][1:]  # steps 1-3
 
 
-def _scaler_state(path: str) -> dict:
+def _read(path: str, template: dict) -> dict:
+    """``template``'s entries of the checkpoint at ``path``, read in this process."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"scaler": {"scale": 0.0, "growth_factor": 0.0, "backoff_factor": 0.0, "growth_interval": 0,
-                        "_growth_tracker": 0}}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state["scaler"]
+    dcp.load(template, checkpoint_id=path, no_dist=True)
+    return template
+
+
+def _scaler_state(path: str) -> dict:
+    keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    return _read(path, {"scaler": dict.fromkeys(keys, 0.0)})["scaler"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rng_state_resumes(runs):
+    from minifsdp import train
+
+    root, _ = runs
+    path = os.path.join(root, "single", "checkpoints", f"step_{SAVED}")
+    saved = _read(path, {"rank0": {"rng_cpu": torch.get_rng_state()}})["rank0"]["rng_cpu"]
+    before = torch.get_rng_state()
+    try:
+        torch.manual_seed(1234)  # anything but the saved stream
+        assert not torch.equal(torch.get_rng_state(), saved)
+        train.run_rank(_cfg("single", root, out=os.path.join(root, "rng"), resume=path))
+        assert torch.equal(torch.get_rng_state(), saved)  # set at resume; a dropout-free step draws nothing
+    finally:
+        torch.set_rng_state(before)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # _scaler_state reads in this one process
