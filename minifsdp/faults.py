@@ -347,9 +347,11 @@ def inject(step: int, spec: str | None = None) -> None:
     if spec and (len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit() or parts[1] not in FAULT_MODES):
         raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:MODE:STEP with MODE one of {', '.join(FAULT_MODES)} "
                          "(e.g. MINIFSDP_FAULT=1:kill:2)")
-    install()
     _state["step"] = step
-    if not spec or int(parts[0]) != _rank() or int(parts[2]) != step:
+    if not spec:  # the common case: nothing to inject, and nothing installed in this process
+        return
+    install()
+    if int(parts[0]) != _rank() or int(parts[2]) != step:
         return
     rank, mode = int(parts[0]), parts[1]
     print(f"[minifsdp] rank {rank}: {FAULT_ENV} injects '{mode}' at step {step}", file=sys.stderr, flush=True)

@@ -252,7 +252,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     more ranks than GPUs; ``"gloo"`` always runs CPU ranks.
     """
     backend = backend or _default_backend_for(world_size)
-    _validate(fn, world_size, timeout, backend)
+    _validate(fn, world_size, timeout, backend, threads_per_rank)
     # MINIFSDP_FAKE_GPU=N: "nccl" ranks are gloo processes on a pretend GPU (fake_gpu.py)
     pretend_gpu = backend == "nccl" and fake_gpu.enabled() and not torch.cuda.is_available()
     if pretend_gpu:
@@ -324,9 +324,12 @@ def _default_backend_for(world_size: int) -> str:
     return "nccl"
 
 
-def _validate(fn: Callable, world_size: int, timeout: float, backend: str) -> None:
+def _validate(fn: Callable, world_size: int, timeout: float, backend: str, threads_per_rank: int | None = None) -> None:
     if not callable(fn):
         raise TypeError(f"launch(fn, world_size): fn must be callable, got {type(fn).__name__}")
+    if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int)
+                                         or threads_per_rank < 1):
+        raise ValueError(f"threads_per_rank must be an integer >= 1 (or None: cores / ranks), got {threads_per_rank!r}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if backend not in ("gloo", "nccl"):

@@ -246,7 +246,8 @@ def _pipeline_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
         return _result({}, cfg, total=None)
     config = models.MODEL_PRESETS[cfg.model]
     holds = [s for s in range(layout.stages) if s % layout.pp == 0]
-    return _result(planner.pp_comm_bytes(config, cfg.batch_size * config.block_size, layout.stages, holds), cfg)
+    return _result(planner.pp_comm_bytes(config, cfg.batch_size * (cfg.seq_len or config.block_size),
+                                             layout.stages, holds), cfg)
 
 
 def _tensor_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
@@ -254,12 +255,13 @@ def _tensor_parallel_bytes(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     planner's plan, TP's all-reduces + FSDP over dp (units = blocks); 16-bit forward all-reduces under
     autocast, everything 16-bit but the loss under FSDP's policy."""
     config = models.MODEL_PRESETS[cfg.model]
-    tokens = cfg.batch_size * config.block_size
+    tokens = cfg.batch_size * (cfg.seq_len or config.block_size)
     if layout.dp == 1:
         by_op = planner.tp_comm_bytes(config, tokens, layout.tp, forward_elem=_low_forward(cfg))
         by_op["all_reduce"] += _recompute_per_token(cfg) * tokens + _found_inf(cfg)
         return _result(by_op, cfg)
-    plan = planner.plan(cfg.model, batch=cfg.batch_size, layout=layout, zero_stage=3, precision=cfg.precision)
+    plan = planner.plan(cfg.model, batch=cfg.batch_size, layout=layout, zero_stage=3, precision=cfg.precision,
+                        seq_len=cfg.seq_len)
     if cfg.autocast:  # fp32 parameters, autocast compute: only the forward g's are 16-bit
         plan.comm["tp"] = planner.tp_comm_bytes(config, tokens // layout.dp, layout.tp, forward_elem=2)
     by_op = {"all_reduce": _recompute_per_token(cfg) * tokens // layout.dp + _found_inf(cfg)}

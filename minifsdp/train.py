@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from . import data, dist, models, save_resume, torch_reference, trace
+from . import data, dist, faults, models, save_resume, torch_reference, trace
 from .launch import launch
 from .layout import MULTI_STAGE_SCHEDULES
 from .mixed_precision import PRECISIONS
@@ -72,12 +72,14 @@ def validate(cfg: TrainConfig) -> None:
                          f"choose one of: {', '.join(options)}")
     if cfg.model not in models.MODEL_PRESETS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of: {', '.join(models.MODEL_PRESETS)}")
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-    if cfg.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {cfg.world_size}")
-    if cfg.grad_accum < 1:
-        raise ValueError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
+    # the degrees first: --pp 0 must be blamed on --pp, not on the --world-size derived from it
+    for flag in ("steps", "pp", "dp", "tp", "cp", "ep", "micro_batches", "virtual_stages", "grad_accum", "world_size"):
+        if getattr(cfg, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(cfg, flag)}")
+    if cfg.prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NONE"):
+        raise ValueError(f"--prefetch must be BACKWARD_PRE, BACKWARD_POST or NONE, got {cfg.prefetch!r}")
+    if not cfg.lr >= 0:
+        raise ValueError(f"--lr must be a non-negative learning rate, got {cfg.lr}")
     if cfg.checkpoint not in ("none", "full", "selective"):
         raise ValueError(f"--checkpoint must be none, full or selective, got {cfg.checkpoint!r}")
     if cfg.precision not in PRECISIONS:
@@ -184,6 +186,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         checkpointer = save_resume.Checkpointer(cfg, record, built, scaler)
         first = checkpointer.resume()  # --resume: the step to run next (its data position), else 0
         for step in range(first, cfg.steps):
+            faults.inject(step)  # MINIFSDP_FAULT=RANK:MODE:STEP fails a rank on purpose (lab 12's gallery)
             start = time.perf_counter()
             with trace.span("step", step=step):
                 local = torch.zeros((), device=device)
@@ -264,7 +267,8 @@ def _under_torchrun() -> bool:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the configured training; returns the metrics written to ``metrics.json``."""
     if _under_torchrun():
-        dist.init()
+        dist.init(timeout_s=cfg.timeout)
+        faults.install()  # a failing rank prints its one-line cause before torchrun's report
         cfg = dataclasses.replace(cfg, world_size=dist.world_size())
         validate(cfg)
         result = run_rank(cfg)

@@ -13,6 +13,7 @@ row is watched: a ``torch.distributed`` collective or a process start raises
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing.process
 import os
 import subprocess
@@ -52,8 +53,30 @@ def namespace() -> dict[str, Any]:
                  MODEL_PRESETS=models.MODEL_PRESETS, work=_work,
                  mlp=lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
                  gpt=lambda **overrides: models.build_model("gpt-tiny", **overrides),
-                 moe=lambda: models.build_model("gpt-moe-tiny"))
+                 moe=lambda: models.build_model("gpt-moe-tiny"), saved=_saved, trainer=_trainer)
     return names
+
+
+def _saved(model: str = "gpt-tiny", strategy: str = "fsdp", step: int = 2, complete: bool = True) -> str:
+    """A checkpoint folder as ``--save-every`` leaves it, without its tensors: the meta.json and DCP's
+    .metadata that ``--resume`` reads before any process starts (``complete=False``: a save killed midway)."""
+    from minifsdp.save_resume import META, model_shapes
+
+    path = os.path.join("checkpoints", f"step_{step}" + ("" if complete else ".tmp"))
+    os.makedirs(path)
+    open(os.path.join(path, ".metadata"), "wb").close()
+    meta = {"step": step, "strategy": strategy, "model": model, "world_size": 2, "precision": "fp32",
+            "layout": {"dp": 2, "pp": 1, "tp": 1, "cp": 1, "ep": 1}, "params": model_shapes(model)}
+    with open(os.path.join(path, META), "w") as f:
+        json.dump(meta, f)
+    return path
+
+
+def _trainer(argv: str) -> None:
+    """``python -m minifsdp.train ARGV`` up to its validation, which runs before any process starts."""
+    from minifsdp import train
+
+    train.validate(train.parse_args(argv.split()))
 
 
 def _work() -> int:

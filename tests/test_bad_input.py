@@ -37,7 +37,7 @@ def test_the_table_spans_the_package() -> None:
     assert len(ids) == len(set(ids)), "row ids must be unique (they are the test ids)"
     areas = {row.area for row in cases.ROWS}
     assert {"launch", "layout", "models", "ddp", "zero", "fsdp", "fully_shard", "pipeline", "tensor parallel",
-            "context parallel", "expert parallel", "mixed precision", "trainer"} <= areas
+            "context parallel", "expert parallel", "mixed precision", "trainer", "resume"} <= areas
     assert len(cases.ROWS) >= 35
 
 
