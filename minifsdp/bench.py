@@ -254,8 +254,8 @@ def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size:
                            "step_s_all": times, "bytes_per_step": moved, "losses": losses}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
     if cfg.calibration:  # torch's side moves and computes what ours does: the same model, its own record
-        row["predicted_s"] = {k: calibrate.predict_run(s.train_config(cfg.model, world_size, cfg.batch_size),
-                                                       calibration=cfg.calibration).step_s for k, s in parsed.items()}
+        row["predicted_s"] = {k: calibrate.predicted_seconds(s.train_config(cfg.model, world_size, cfg.batch_size),
+                                                             cfg.calibration) for k, s in parsed.items()}
     row["same_losses"] = all(math.isclose(a, b, rel_tol=ours_side.loss_rtol)
                              for a, b in zip(losses[ours], losses[theirs]))
     expected = expected_bytes(cfg.model, ours_side, world_size, cfg.batch_size)
@@ -332,7 +332,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {expected}"
         paper = (f"{_PAPER_LABEL[r['bytes_paper_key']]} = {r['bytes_paper'] / mib:.3f}"
                  if r["bytes_paper"] is not None else "-")
-        predicted = f"{p[ours] * 1e3:.0f} / {p[theirs] * 1e3:.0f}" if p else "-"
+        predicted = " / ".join("-" if p[k] is None else f"{p[k] * 1e3:.0f}" for k in (ours, theirs)) if p else "-"
         lines.append(f"| {r['world_size']} | {ours} | {theirs} | {s[ours] * 1e3:.1f} / {s[theirs] * 1e3:.1f} | "
                      f"{predicted} | {r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
                      f"{({True: 'yes', False: 'NO'}).get(r['bytes_match'], '-')} | "

@@ -5,30 +5,32 @@ world size's ranks once (``launch``) and, on every rank at the same time (the
 ranks share the machine as a training run's do):
 
 * **compute** — a linear layer's forward and backward (its three n x n GEMMs,
-  6n³ FLOPs) in fp32 and bf16 at a few sizes; a
-  GPT block's non-matmul ops (layer norms, masked softmax, residual add, GELU)
-  forward and backward on a block's shapes, as bytes of saved activations per
-  second (``_block_elementwise``); AdamW's step over weight-sized tensors
-  (seconds per parameter). The ranks' rates are averaged.
+  6n³ FLOPs) in fp32 and bf16 at a few sizes; a GPT block's non-matmul ops
+  (layer norms, masked softmax, residual add, GELU) forward and backward on a
+  block's shapes, as bytes of saved activations per second
+  (``_block_elementwise``); AdamW's step over weight-sized tensors (seconds per
+  parameter). The ranks' rates are averaged.
 * **collectives** — each of ``step_time.OPS`` (all_reduce, all_gather,
   reduce_scatter, broadcast, all_to_all, and send/recv as a ring shift: every
   rank sends to the next and receives from the previous) through ``comm``, at
-  a few message sizes; per size the fastest of a few batches of calls, the
+  a few message sizes; per size the median of a few batches of calls, the
   slowest rank's. ``step_time.fit_alpha_beta`` fits ``t = α + β·bytes`` (least
   squares in relative error), bytes in ``comm``'s volume (an all-reduce of S
   bytes counts 2S): the units the planner counts in, so ``α·calls + β·bytes``
   is the op's time in a step.
 
-Each measurement keeps the fastest of its batches, as ``timeit`` does: the
-machine's own speed, without what other processes took from it.
+Each measurement is the median of a few batches of calls made by every rank at
+once: with more ranks than cores, or other processes running, a batch gets the
+share of a core a training step would get.
+
 nccl-tests (``all_reduce_perf``) measure the same curves; Hockney's α–β model
 is the line through them. The result is a small JSON (``runs/calibration.json``
 by default) that ``step_time.Calibration`` reads back and that the planner
 (``planner.plan(..., calibration=...)``), ``bench`` and the trainer
 (``predict_run``) turn into a predicted step time and MFU.
 
-On CPU the numbers move with the machine's load: calibrate with nothing else
-running, as the runs you predict should be.
+On CPU the numbers move with the machine's load: calibrate just before the
+runs you predict, ideally with nothing else running.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from .records import TrainConfig
 from .step_time import DEFAULT_PATH, OPS, Calibration, StepTime, fit_alpha_beta, predict_gpt
 from .strategies import STRATEGIES
 
-__all__ = ["calibrate", "measure_rank", "from_ranks", "predict_run", "predicted_line", "summary", "default_sizes",
-           "main"]
+__all__ = ["calibrate", "measure_rank", "from_ranks", "predict_run", "predicted_seconds", "predicted_line", "summary",
+           "default_sizes", "main"]
 
 # Message sizes (bytes of the full tensor) and matmul sizes: a quick sweep per device type.
 _SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20),
@@ -65,12 +67,12 @@ def default_sizes(device_type: str) -> tuple[int, ...]:
     return _SIZES.get(device_type, _SIZES["cuda"])
 
 
-def _best_seconds(fn: Callable[[], Any], repeats: int, device: torch.device, batch_s: float = 0.02,
-                  collective: bool = False) -> float:
-    """Seconds per call of ``fn()``: the fastest of ``repeats`` batches of calls, each batch long enough
-    (``batch_s``) that the clock's resolution does not decide it (CUDA: synchronised). The fastest, as
-    ``timeit`` reports: what the machine can do; slower batches measured other processes too. A
-    ``collective`` makes every rank agree on the batch's length (the most any rank wants)."""
+def _seconds(fn: Callable[[], Any], repeats: int, device: torch.device, batch_s: float = 0.02,
+             collective: bool = False) -> float:
+    """Seconds per call of ``fn()``: the median of ``repeats`` batches of calls, each long enough (``batch_s``)
+    that the clock's resolution does not decide it (CUDA: synchronised). A batch shares the cores with the
+    other ranks (and whatever else runs) as a training step would. A ``collective`` makes every rank agree
+    on the batch's length (the most any rank wants)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     fn()  # warm-up, and how long one call takes
@@ -87,7 +89,7 @@ def _best_seconds(fn: Callable[[], Any], repeats: int, device: torch.device, bat
             fn()
         sync()
         times.append((time.perf_counter() - start) / calls)
-    return min(times)
+    return statistics.median(times)
 
 
 def _block_elementwise(x: torch.Tensor, hidden: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -107,19 +109,19 @@ def _measure_compute(device: torch.device, repeats: int) -> dict[str, Any]:
         flops[name] = []
         for n in _MATMUL[kind]:  # a linear layer's three GEMMs: forward, input and weight gradients
             x, w, grad = (torch.randn(n, n, device=device, dtype=dtype, requires_grad=i < 2) for i in range(3))
-            flops[name].append([n, 6 * n**3 / _best_seconds(lambda: (x @ w).backward(grad), repeats, device)])
+            flops[name].append([n, 6 * n**3 / _seconds(lambda: (x @ w).backward(grad), repeats, device)])
     B, T, h, H = _BLOCK[kind]
     x, hidden, scores = (torch.randn(*shape, device=device, requires_grad=True)
                          for shape in ((B, T, h), (B, T, 4 * h), (B, H, T, T)))
     mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
     saved = 4 * (B * T * h * 2 + B * T * 4 * h + B * H * T * T)    # ln inputs, GELU's input, the probabilities
-    chain_s = _best_seconds(lambda: _block_elementwise(x, hidden, scores, mask).backward(), repeats, device)
+    chain_s = _seconds(lambda: _block_elementwise(x, hidden, scores, mask).backward(), repeats, device)
     count, numel = _ADAMW[kind]
     params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params)
-    adamw_s = _best_seconds(opt.step, repeats, device)
+    adamw_s = _seconds(opt.step, repeats, device)
     return {"matmul_flops": flops, "elementwise_bytes_per_s": saved / chain_s,
             "optimizer_s_per_param": adamw_s / (count * numel)}
 
@@ -155,7 +157,7 @@ def measure_rank(sizes: tuple[int, ...] | None = None, repeats: int = 3, ops: tu
         for nbytes in sizes:
             fn, volume = _collective(op, nbytes, device)
             torch.distributed.barrier()
-            out["collectives"].setdefault(op, []).append([volume, _best_seconds(fn, repeats, device, collective=True)])
+            out["collectives"].setdefault(op, []).append([volume, _seconds(fn, repeats, device, collective=True)])
         if dist.rank() == 0:
             print(f"  {n} ranks: {op} at {len(sizes)} sizes", flush=True)
     return out
@@ -203,9 +205,11 @@ def summary(cal: Calibration) -> str:
             bw = 1 / fit["beta_s_per_byte"] / 1e9 if fit["beta_s_per_byte"] > 0 else float("inf")
             lines.append(f"{op:<15} {g:>5} {fit['alpha_s'] * 1e6:9.1f} {bw:8.2f}")
     for n, c in sorted(cal.compute.items()):
-        mm = ", ".join(f"{d} " + " ".join(f"{int(s)}:{r / 1e9:.0f}" for s, r in pts) for d, pts in c["matmul_flops"].items())
-        lines.append(f"{n} rank(s), per rank: matmul GFLOP/s (n:rate) {mm}; elementwise {c['elementwise_bytes_per_s'] / 1e9:.2f} "
-                     f"GB/s saved; AdamW {c['optimizer_s_per_param'] * 1e9:.1f} ns/param")
+        rates = "; ".join(f"{d} " + " ".join(f"{int(s)}:{r / 1e9:.0f}" for s, r in points)
+                          for d, points in c["matmul_flops"].items())
+        lines.append(f"{n} rank(s), per rank: linear GFLOP/s (n:rate) {rates}; other ops "
+                     f"{c['elementwise_bytes_per_s'] / 1e9:.2f} GB/s saved; "
+                     f"AdamW {c['optimizer_s_per_param'] * 1e9:.1f} ns/param")
     return "\n".join(lines)
 
 
@@ -249,6 +253,14 @@ def predict_run(cfg: TrainConfig, layout: Layout | None = None,
                        cp=layout.cp, ep=layout.ep, micro_batches=micro, virtual_stages=layout.virtual_stages,
                        precision=cfg.precision, autocast=cfg.autocast, checkpoint=cfg.checkpoint, zero_stage=zero,
                        group_sizes=groups)
+
+
+def predicted_seconds(cfg: TrainConfig, calibration: Calibration | str | None = None) -> float | None:
+    """``predict_run(cfg).step_s``, or None for a layout the planner does not model (e.g. 6 layers on 4 stages)."""
+    try:
+        return predict_run(cfg, calibration=calibration).step_s
+    except ValueError:
+        return None
 
 
 def predicted_line(cfg: TrainConfig, metrics: dict[str, Any], calibration: Calibration | str | None = None) -> str:
