@@ -113,3 +113,32 @@ def test_bad_input_is_one_line_before_any_process(argv, message, capsys):
 def test_predict_run_without_a_calibration_names_the_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m minifsdp.calibrate"):
         calibrate.predict_run(TrainConfig(strategy="ddp", world_size=2), calibration=str(tmp_path / "none.json"))
+
+
+def test_the_trainer_line_puts_predicted_beside_measured(predicted_and_measured, tmp_path):
+    cal, runs = predicted_and_measured
+    cfg = TrainConfig(strategy="fsdp", world_size=2, model="gpt-small", batch_size=8)
+    metrics = {"step_time_s": [[0.9, 0.40, 0.44], [0.8, 0.41, 0.43]]}          # slowest rank per step: .41, .44
+    line = calibrate.predicted_line(cfg, metrics, cal)
+    assert line.startswith(f"predicted step {runs['fsdp'][0].step_s * 1e3:.1f} ms") and "measured 425.0 ms" in line
+    assert "python -m minifsdp.calibrate" in calibrate.predicted_line(cfg, metrics, str(tmp_path / "none.json"))
+    pipeline = TrainConfig(strategy="pp", world_size=4, pp=4, model="gpt-small", batch_size=8, micro_batches=8)
+    assert "not modelled" in calibrate.predicted_line(pipeline, metrics, cal)   # 6 layers on 4 stages
+    assert calibrate.predicted_seconds(pipeline, cal) is None
+
+
+def test_bench_prints_each_sides_prediction(predicted_and_measured, tmp_path, monkeypatch):
+    """bench's predicted column is predict_run's for each side (the runs themselves stand in: no processes)."""
+    from minifsdp import bench
+
+    cal, _ = predicted_and_measured
+    cal.save(str(tmp_path / "calibration.json"))
+    fake = {"step_time_s": [[0.5, 0.5], [0.5, 0.5]], "bytes_per_step": [{"all_reduce": 1.0}], "losses": [1.0, 0.9]}
+    monkeypatch.setattr(bench, "_run", lambda *args, **kwargs: fake)
+    rows = bench.run(bench.BenchConfig(model="gpt-small", world_sizes=(2,), pairs=("fsdp:torch-fsdp",), repeats=1,
+                                       steps=2, warmup=1, memory=False, out=str(tmp_path),
+                                       calibration=str(tmp_path / "calibration.json")))
+    expected = calibrate.predict_run(TrainConfig(strategy="fsdp", world_size=2, model="gpt-small", batch_size=8),
+                                     calibration=cal).step_s
+    assert rows[0]["predicted_s"] == {"fsdp": pytest.approx(expected), "torch-fsdp": pytest.approx(expected)}
+    assert f"| 500.0 / 500.0 | {expected * 1e3:.0f} / {expected * 1e3:.0f} |" in bench.table(rows)
