@@ -8,8 +8,9 @@ ranks share the machine as a training run's do):
   6n³ FLOPs) in fp32 and bf16 at a few sizes; a GPT block's non-matmul ops
   (layer norms, masked softmax, residual add, GELU) forward and backward on a
   block's shapes, as bytes of saved activations per second
-  (``_block_elementwise``); AdamW's step over weight-sized tensors (seconds per
-  parameter). The ranks' rates are averaged.
+  (``_block_elementwise``); the same ops on a handful of values (seconds per
+  op: dispatch, autograd, launch); AdamW's step over weight-sized tensors
+  (seconds per parameter). The ranks' rates are averaged.
 * **collectives** — each of ``step_time.OPS`` (all_reduce, all_gather,
   reduce_scatter, broadcast, all_to_all, and send/recv as a ring shift: every
   rank sends to the next and receives from the previous) through ``comm``, at
@@ -49,7 +50,7 @@ from . import comm, dist, models, planner
 from .launch import launch
 from .layout import Layout
 from .records import TrainConfig
-from .step_time import DEFAULT_PATH, OPS, Calibration, StepTime, fit_alpha_beta, predict_gpt
+from .step_time import DEFAULT_PATH, OPS, Calibration, OpCounter, StepTime, fit_alpha_beta, predict_gpt
 from .strategies import STRATEGIES
 
 __all__ = ["calibrate", "measure_rank", "from_ranks", "predict_run", "predicted_seconds", "predicted_line", "summary",
@@ -116,13 +117,18 @@ def _measure_compute(device: torch.device, repeats: int) -> dict[str, Any]:
     mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
     saved = 4 * (B * T * h * 2 + B * T * 4 * h + B * H * T * T)    # ln inputs, GELU's input, the probabilities
     chain_s = _seconds(lambda: _block_elementwise(x, hidden, scores, mask).backward(), repeats, device)
+    # the same ops on a handful of values: what each op costs before any work (dispatch, autograd, launch)
+    tiny = [torch.randn(*shape, device=device, requires_grad=True) for shape in ((1, 4, 8), (1, 4, 32), (1, 2, 4, 4))]
+    with OpCounter() as ops:
+        _block_elementwise(*tiny, mask[:4, :4]).backward()
+    op_s = _seconds(lambda: _block_elementwise(*tiny, mask[:4, :4]).backward(), repeats, device) / ops.n
     count, numel = _ADAMW[kind]
     params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params)
     adamw_s = _seconds(opt.step, repeats, device)
-    return {"matmul_flops": flops, "elementwise_bytes_per_s": saved / chain_s,
+    return {"matmul_flops": flops, "elementwise_bytes_per_s": saved / chain_s, "op_s": op_s,
             "optimizer_s_per_param": adamw_s / (count * numel)}
 
 
@@ -189,7 +195,8 @@ def from_ranks(per_rank: list[dict[str, Any]]) -> Calibration:
                              for i, (size, _) in enumerate(rates[0]["matmul_flops"][d])]
                          for d in rates[0]["matmul_flops"]},
         "elementwise_bytes_per_s": statistics.mean(r["elementwise_bytes_per_s"] for r in rates),
-        "optimizer_s_per_param": statistics.mean(r["optimizer_s_per_param"] for r in rates)}
+        "optimizer_s_per_param": statistics.mean(r["optimizer_s_per_param"] for r in rates),
+        "op_s": statistics.mean(r["op_s"] for r in rates)}
     for op, points in per_rank[0]["collectives"].items():
         slowest = [[b, max(r["collectives"][op][i][1] for r in per_rank)] for i, (b, _) in enumerate(points)]
         alpha, beta = fit_alpha_beta([b for b, _ in slowest], [s for _, s in slowest])
@@ -209,7 +216,7 @@ def summary(cal: Calibration) -> str:
                           for d, points in c["matmul_flops"].items())
         lines.append(f"{n} rank(s), per rank: linear GFLOP/s (n:rate) {rates}; other ops "
                      f"{c['elementwise_bytes_per_s'] / 1e9:.2f} GB/s saved; "
-                     f"AdamW {c['optimizer_s_per_param'] * 1e9:.1f} ns/param")
+                     f"AdamW {c['optimizer_s_per_param'] * 1e9:.1f} ns/param; {c['op_s'] * 1e6:.1f} us an op")
     return "\n".join(lines)
 
 

@@ -23,6 +23,12 @@ GPU Clusters", 2021, with the full T x T attention this GPT computes):
   same ops, forward and backward (bytes per second); recompute adds their
   forward again (a third). AdamW at its measured seconds per parameter, over
   the parameters this rank steps (its shard under ZeRO / FSDP).
+* **dispatch** — every op PyTorch runs costs a fixed time on the host (the
+  dispatcher, autograd's bookkeeping, a kernel launch), whatever its size:
+  the ops of a step (``gpt_op_count``: counted once on a miniature of the
+  model, forward, backward and AdamW) at the calibrated seconds per op. It
+  decides small models' steps. On CUDA the host runs ahead of the device, so
+  a step's compute is the larger of the two, not their sum.
 * **pipeline bubble** — compute x (v·m + p - 1) / (v·m) (GPipe, 1F1B; the
   interleaved schedule's v; zero bubble counted as interleaved).
 * **collectives** — each op of each mesh dimension: α·calls + β·bytes, with
@@ -47,17 +53,20 @@ device's peak; peak here is the best matmul rate the calibration measured.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import estimate
-from .models import GPTConfig
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Calibration", "StepTime", "fit_alpha_beta", "gpt_matmul_flops", "elementwise_bytes", "predict_gpt",
-           "OPS", "DEFAULT_PATH"]
+from .models import GPT, GPTConfig, lm_loss
+
+__all__ = ["Calibration", "StepTime", "OpCounter", "fit_alpha_beta", "gpt_matmul_flops", "elementwise_bytes",
+           "gpt_op_count", "predict_gpt", "OPS", "DEFAULT_PATH"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 DEFAULT_PATH = os.path.join("runs", "calibration.json")
@@ -143,6 +152,10 @@ class Calibration:
         """Bytes of saved activations a block's non-matmul ops get through per second, forward and backward."""
         return self._compute(world_size)["elementwise_bytes_per_s"]
 
+    def op_seconds(self, world_size: int) -> float:
+        """Host time of one dispatched op (a tiny one: what every op costs before its work)."""
+        return self._compute(world_size).get("op_s", 0.0)
+
     def optimizer_s_per_param(self, world_size: int) -> float:
         return self._compute(world_size)["optimizer_s_per_param"]
 
@@ -175,6 +188,7 @@ class StepTime:
     matmul_s: float
     memory_s: float
     optimizer_s: float
+    dispatch_s: float            # ops x seconds per op on the host
     bubble_s: float
     comm: dict[str, dict[str, float]]
     overlapped_s: float          # collective time hidden behind compute (0 on CPU)
@@ -182,9 +196,13 @@ class StepTime:
     peak_flops: float
     world_size: int
 
+    device: str = "cpu"
+
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.memory_s + self.optimizer_s + self.bubble_s
+        """CPU: the host does the work and dispatches it, one after the other; CUDA: the host runs ahead."""
+        work = self.matmul_s + self.memory_s + self.optimizer_s
+        return (work + self.dispatch_s if self.device == "cpu" else max(work, self.dispatch_s)) + self.bubble_s
 
     @property
     def comm_s(self) -> float:
@@ -201,7 +219,8 @@ class StepTime:
     def __str__(self) -> str:
         comm = ", ".join(f"{dim} {op} {s * 1e3:.1f}" for dim, ops in self.comm.items() for op, s in ops.items())
         return (f"predicted step {self.step_s * 1e3:.1f} ms (matmuls {self.matmul_s * 1e3:.1f}, memory-bound "
-                f"{self.memory_s * 1e3:.1f}, optimizer {self.optimizer_s * 1e3:.1f}, bubble {self.bubble_s * 1e3:.1f}"
+                f"{self.memory_s * 1e3:.1f}, optimizer {self.optimizer_s * 1e3:.1f}, dispatch {self.dispatch_s * 1e3:.1f}, "
+                f"bubble {self.bubble_s * 1e3:.1f}"
                 f", collectives {comm or 'none'}, hidden {self.overlapped_s * 1e3:.1f}), MFU {self.mfu:.1%}")
 
 
@@ -245,6 +264,44 @@ def elementwise_bytes(config: GPTConfig, sequences: int, seq_len: int, tp: int =
     return {"blocks": elem * (L * per_block + gelu), "head": elem * b * T * (h + config.vocab_size // tp)}
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside ``with OpCounter() as c:`` (``c.n``), autograd's backward too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@functools.lru_cache(maxsize=64)
+def gpt_op_count(config: GPTConfig) -> dict[str, int]:
+    """Ops one training step of ``config``'s GPT dispatches: ``{"forward", "backward", "optimizer"}`` (AdamW's
+    second step, the for-loop implementation CPU tensors get). Sizes do not change the count, so it is
+    counted on a miniature (the same layers and heads, 4 features a head, 8 tokens, vocabulary 8)."""
+    mini = dataclasses.replace(config, n_embd=4 * config.n_head, vocab_size=8, block_size=4, dropout=0.0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(mini)
+        ids = torch.randint(0, 8, (2, 4))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    lm_loss(model(ids), ids).backward()
+    opt.step()  # the first step creates AdamW's state
+    counts = {}
+    for phase in ("forward", "backward", "optimizer"):
+        with OpCounter() as c:
+            if phase == "forward":
+                loss = lm_loss(model(ids), ids)
+            elif phase == "backward":
+                loss.backward()
+            else:
+                opt.step()
+        counts[phase] = c.n
+    return counts
+
+
 def _calls(dim: str, op: str, nbytes: float, layers: int, micro: int, zero_stage: int, cp: int) -> int:
     """Calls per step (α is paid once each): one per DDP bucket, one per FSDP unit and pass, one per block's
     collective for tensor / context / expert parallel, two per micro-batch for a pipeline's cut."""
@@ -285,9 +342,12 @@ def predict_gpt(cal: Calibration, config: GPTConfig, *, batch: int, seq_len: int
     memory_s = (acts["blocks"] * recompute + acts["head"]) / pp / cal.elementwise_rate(world)
     stepped = params_per_device / (dp * cp if zero_stage >= 1 else 1)
     optimizer_s = stepped * cal.optimizer_s_per_param(world)
+    ops = gpt_op_count(config)
+    passes = micro_batches * (ops["forward"] * (2 if checkpoint != "none" else 1) + ops["backward"])
+    dispatch_s = (passes + ops["optimizer"]) / pp * cal.op_seconds(world)
     bubble_s = 0.0
     if pp > 1:
-        bubble_s = (matmul_s + memory_s) * (pp - 1) / (virtual_stages * micro_batches)
+        bubble_s = (matmul_s + memory_s + dispatch_s) * (pp - 1) / (virtual_stages * micro_batches)
     degree = {"dp": dp * cp, "tp": tp, "pp": 2, "cp": 2, "ep": ep}
     layers = config.n_layer // pp
     seconds: dict[str, dict[str, float]] = {}
@@ -296,9 +356,10 @@ def predict_gpt(cal: Calibration, config: GPTConfig, *, batch: int, seq_len: int
             group = (group_sizes or {}).get(op, degree[dim]) if dim == "dp" else degree[dim]
             calls = _calls(dim, op, nbytes, layers, micro_batches, zero_stage, cp)
             seconds.setdefault(dim, {})[op] = cal.collective_seconds(op, nbytes, group, calls)
-    compute = matmul_s + memory_s + optimizer_s + bubble_s
+    work = matmul_s + memory_s + optimizer_s
+    compute = (work + dispatch_s if cal.device == "cpu" else max(work, dispatch_s)) + bubble_s
     overlapped = 0.0
     if cal.device != "cpu":  # NCCL: the data-parallel collectives run on their own stream, behind compute
         overlapped = min(compute, sum(s for op, s in seconds.get("dp", {}).items() if op != "broadcast"))
-    return StepTime(matmul_s, memory_s, optimizer_s, bubble_s, seconds, overlapped, model,
-                    cal.matmul_flops(world, dtype), world)
+    return StepTime(matmul_s, memory_s, optimizer_s, dispatch_s, bubble_s, seconds, overlapped, model,
+                    cal.matmul_flops(world, dtype), world, cal.device)

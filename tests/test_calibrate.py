@@ -12,10 +12,9 @@ the wall clock also measures the other processes, and they come and go within se
 this 2-core machine while other test runs kept its load average at 9-17, wall-clock ratios
 predicted / measured ranged from 0.18 to 1.6 within minutes (the calibration and the run got
 different shares of the cores): no margin under 2x survives that. In CPU seconds, 6 runs of this
-test's protocol at load 3-6 gave ddp 0.84-1.06 and fsdp 0.79-0.92, and 14 runs while developing
-it (load 2-17) stayed within 0.72-1.25: heavy load costs a process cache misses, hence CPU time, and
-the model leaves out PyTorch's per-op overhead and FSDP's flat-buffer copies, so it reads low more
-often than high. ``MARGIN`` = 1.4 accepts predicted / measured in [1/1.4, 1.4]; it is
+test's protocol at load 3-5 gave ddp 0.85-1.01 and fsdp 0.83-0.94, and 20 runs while developing
+the model (load 2-17) stayed within 0.72-1.25: heavy load costs a process cache misses, hence CPU
+time, and the model leaves out FSDP's flat-buffer copies, so it reads low more often than high. ``MARGIN`` = 1.4 accepts predicted / measured in [1/1.4, 1.4]; it is
 below sqrt(2), so a prediction off by 2x in either direction fails wherever in the band the true
 ratio lies.
 """

@@ -129,3 +129,19 @@ def test_merge_adds_world_sizes():
     merged = two.merge(four)
     assert sorted(merged.compute) == [2, 4] and sorted(merged.collectives["all_reduce"]) == [2, 4]
     assert merged.alpha_beta("all_reduce", 4) == (1.0, 0)
+
+
+def test_op_count_grows_by_a_block_per_layer_and_dispatch_adds_on_cpu_only():
+    tiny = MODEL_PRESETS["gpt-tiny"]
+    two, four, six = (step_time.gpt_op_count(dataclasses.replace(tiny, n_layer=n)) for n in (2, 4, 6))
+    for phase in ("forward", "backward", "optimizer"):
+        assert six[phase] - four[phase] == four[phase] - two[phase] > 0          # the same ops for every block
+    cal = synthetic()
+    cal.compute[2]["op_s"] = 1e-5
+    cpu = _predict(cal)
+    ops = step_time.gpt_op_count(MODEL_PRESETS["gpt-small"])
+    assert cpu.dispatch_s == pytest.approx(1e-5 * sum(ops.values()))
+    assert cpu.compute_s == pytest.approx(cpu.matmul_s + cpu.memory_s + cpu.optimizer_s + cpu.dispatch_s)
+    cuda = dataclasses.replace(cal, device="cuda")
+    cuda.compute[2] = dict(cal.compute[2], op_s=1.0)                             # the host is the slower side
+    assert _predict(cuda).compute_s == pytest.approx(sum(ops.values()))
