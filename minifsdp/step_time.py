@@ -70,7 +70,8 @@ __all__ = ["Calibration", "StepTime", "OpCounter", "fit_alpha_beta", "gpt_matmul
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 DEFAULT_PATH = os.path.join("runs", "calibration.json")
-_P2P = {"recv": "send", "reduce": "reduce_scatter"}   # ops timed as another: a recv is its peer's send
+_P2P = {"recv": "send", "reduce": "reduce_scatter"}   # timed as another: a recv as its peer's send, a reduce to
+# one owner (ZeRO-2) as a reduce-scatter of the same volume
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce call per bucket
 
 
@@ -219,8 +220,8 @@ class StepTime:
     def __str__(self) -> str:
         comm = ", ".join(f"{dim} {op} {s * 1e3:.1f}" for dim, ops in self.comm.items() for op, s in ops.items())
         return (f"predicted step {self.step_s * 1e3:.1f} ms (matmuls {self.matmul_s * 1e3:.1f}, memory-bound "
-                f"{self.memory_s * 1e3:.1f}, optimizer {self.optimizer_s * 1e3:.1f}, dispatch {self.dispatch_s * 1e3:.1f}, "
-                f"bubble {self.bubble_s * 1e3:.1f}"
+                f"{self.memory_s * 1e3:.1f}, optimizer {self.optimizer_s * 1e3:.1f}, dispatch "
+                f"{self.dispatch_s * 1e3:.1f}, bubble {self.bubble_s * 1e3:.1f}"
                 f", collectives {comm or 'none'}, hidden {self.overlapped_s * 1e3:.1f}), MFU {self.mfu:.1%}")
 
 

@@ -14,9 +14,9 @@ predicted / measured ranged from 0.18 to 1.6 within minutes (the calibration and
 different shares of the cores): no margin under 2x survives that. In CPU seconds, 6 runs of this
 test's protocol at load 3-5 gave ddp 0.85-1.01 and fsdp 0.83-0.94, and 20 runs while developing
 the model (load 2-17) stayed within 0.72-1.25: heavy load costs a process cache misses, hence CPU
-time, and the model leaves out FSDP's flat-buffer copies, so it reads low more often than high. ``MARGIN`` = 1.4 accepts predicted / measured in [1/1.4, 1.4]; it is
-below sqrt(2), so a prediction off by 2x in either direction fails wherever in the band the true
-ratio lies.
+time, and the model leaves out FSDP's flat-buffer copies, so it reads low more often than high.
+``MARGIN`` = 1.4 accepts predicted / measured in [1/1.4, 1.4]; it is below sqrt(2), so a prediction
+off by 2x in either direction fails wherever in the band the true ratio lies.
 """
 from __future__ import annotations
 
