@@ -136,16 +136,15 @@ def _collective(op: str, nbytes: int, device: torch.device) -> tuple[Callable[[]
     """A call of ``op`` on a full tensor of ``nbytes`` (fp32), and its volume in ``comm``'s bytes."""
     n, rank = dist.world_size(), dist.rank()
     numel = max(n, nbytes // 4 // n * n)
-    full = torch.ones(numel, device=device)
+    full, received = torch.ones(numel, device=device), torch.empty(numel, device=device)
     part = torch.ones(numel // n, device=device)
     calls = {
         "all_reduce": lambda: comm.all_reduce(full),
         "all_gather": lambda: comm.all_gather_into_tensor(full, part),
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(part, full),
         "broadcast": lambda: comm.broadcast(full, src=0),
-        "all_to_all": lambda: comm.all_to_all_single(part.new_empty(numel), full),
-        "send": lambda: [h.wait() for h in (comm.isend(full, (rank + 1) % n), comm.irecv(part.new_empty(numel),
-                                                                                          (rank - 1) % n))],
+        "all_to_all": lambda: comm.all_to_all_single(received, full),
+        "send": lambda: [h.wait() for h in (comm.isend(full, (rank + 1) % n), comm.irecv(received, (rank - 1) % n))],
     }
     return calls[op], comm.collective_bytes(op, numel * 4, n)["bytes"]
 
@@ -174,8 +173,9 @@ def calibrate(world_sizes: tuple[int, ...] = (1, 2), sizes: tuple[int, ...] | No
     """Measure at each world size (one launch each) and fit α, β per collective and group size."""
     if not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"--world-sizes must be >= 1 each, got {list(world_sizes)}; e.g. --world-sizes 1 2")
-    if repeats < 1 or (sizes is not None and len(set(sizes)) < 2):
-        raise ValueError("calibrate needs repeats >= 1 and at least 2 distinct message sizes to fit α and β")
+    if repeats < 1 or (sizes is not None and (len(set(sizes)) < 2 or min(sizes) <= 0)):
+        raise ValueError("calibrate needs --repeats >= 1 and at least 2 distinct positive message sizes to fit α "
+                         "and β")
     cal = Calibration()
     for n in sorted(set(world_sizes)):
         if verbose:

@@ -101,7 +101,9 @@ def test_the_calibration_round_trips_through_its_json(predicted_and_measured, tm
 
 @pytest.mark.parametrize("argv, message", [
     (["--world-sizes", "0"], "--world-sizes must be >= 1"),
-    (["--world-sizes", "2", "--sizes-kib", "64"], "at least 2 distinct message sizes"),
+    (["--world-sizes", "2", "--sizes-kib", "64"], "at least 2 distinct positive message sizes"),
+    (["--world-sizes", "2", "--sizes-kib", "0", "64"], "at least 2 distinct positive message sizes"),
+    (["--world-sizes", "2", "--repeats", "0"], "--repeats >= 1"),
 ])
 def test_bad_input_is_one_line_before_any_process(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
