@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 
+import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
 from IPython.display import Image, display
@@ -113,6 +114,43 @@ def choose_layout(candidates, model, batch, seq_len, cap_bytes, calibration):
 # CHECK: your choice under 4 caps against the planner's prices: fits, fastest, and a ValueError when none fits
 check.choose_layout(choose_layout, CANDIDATES, MODEL, B, T, CAP, calibration)
 
+# %% [markdown]
+# Move the cap: your `choose_layout` picks again (grey: does not fit; red: your choice).
+# On a busy laptop the calibration moves from run to run, and a close call with it: two
+# predictions a few % apart are a tie.
+
+# %%
+def draw_choice(cap_mib=36):
+    """Each candidate's predicted peak and step against the cap, your choice in red."""
+    plans = {n: planner.plan(MODEL, batch=B, seq_len=T, calibration=calibration, **kw) for n, kw in CANDIDATES.items()}
+    try:
+        name = choose_layout(CANDIDATES, MODEL, B, T, cap_mib * 2**20, calibration)[0]
+    except ValueError:
+        name = None
+    fig, (mem, step) = plt.subplots(1, 2, figsize=(9, 2.6))
+    colors = ["tab:red" if n == name else "tab:blue" if p.fits(cap_mib * 2**20) else "lightgrey"
+              for n, p in plans.items()]
+    mem.bar(list(plans), [p.total_memory / 2**20 for p in plans.values()], color=colors)
+    mem.axhline(cap_mib, color="k", ls="--", lw=1)
+    mem.set_ylabel("predicted peak (MiB)")
+    step.bar(list(plans), [p.time.step_s * 1e3 for p in plans.values()], color=colors)
+    step.set_ylabel("predicted step (ms)")
+    fig.suptitle(f"cap {cap_mib} MiB (dashed): {name or 'nothing fits'}", fontsize=10)
+    plt.tight_layout()
+    plt.show()
+
+
+widgets.interact(draw_choice, cap_mib=widgets.IntSlider(36, 20, 60, 2, description="cap (MiB)"));
+
+# %%
+# FIGURE
+draw_choice(CAP // 2**20)
+
+# %% [markdown]
+# *Takeaway: the cap decides which layouts may run; among those the calibrated step time
+# decides, which need not favour the layout moving the fewest bytes: compute, the pipeline's
+# bubble and the optimizer step count too.*
+
 # %%
 STRATEGY, chosen = choose_layout(CANDIDATES, MODEL, B, T, CAP, calibration)
 print(f"chosen: {STRATEGY}, predicted peak {format_bytes(chosen.total_memory)} under {format_bytes(CAP)}")
@@ -152,8 +190,10 @@ def rank_with_fault(cfg, spec):
 base = dict(strategy=STRATEGY, world_size=RANKS, model=MODEL, batch_size=B, seq_len=T, steps=4, quiet=True,
             write_plots=False, track_memory=False, **TRAIN_FLAGS.get(STRATEGY, {}))
 t0 = time.perf_counter()
-metrics_a, traces_a = run(TrainConfig(out=f"{OUT}/A", **base))
+config_a = TrainConfig(out=f"{OUT}/A", **base)
+metrics_a, traces_a = run(config_a)
 print(f"A, uninterrupted ({STRATEGY}, {time.perf_counter() - t0:.1f} s): losses {metrics_a['losses']}")
+print(calibrate.predicted_line(config_a, metrics_a, calibration))
 
 # %%
 t0 = time.perf_counter()
@@ -170,9 +210,8 @@ print(f"C resumed at step {metrics_c['first_step']}: losses {metrics_c['losses']
 print(f"A's losses from step {metrics_c['first_step']}: {metrics_a['losses'][metrics_c['first_step']:]}")
 
 # %% [markdown]
-# The trainer's save (`minifsdp/save_resume.py`) writes every rank's tensors into
-# `step_N.tmp`, renames it to `step_N` once all are written, then points `latest` at it.
-# B's kill left `step_2`, complete. Now build that mechanism.
+# B's kill left `step_2` complete, and C loaded it: the trainer's save
+# (`minifsdp/save_resume.py`) survives a rank dying at any moment. Now build that guarantee.
 #
 # ### Exercise 2: an atomic save
 #
