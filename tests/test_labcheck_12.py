@@ -148,9 +148,25 @@ def save(state, root, step, keep=2):
 """
 
 
+HIDDEN_COMMIT = """
+def save(state, root, step, keep=2):
+    import importlib
+    library = importlib.import_module("minifsdp." + "save_resume")
+    final = os.path.join(root, f"step_{step}")
+    os.makedirs(final + ".tmp", exist_ok=True)
+    torch.save(state, os.path.join(final + ".tmp", f"rank{dist.rank()}.pt"))
+    comm.barrier()
+    if dist.rank() == 0:
+        getattr(library, "_com" + "mit")(final + ".tmp", final, root, step)   # only the wire sees it
+    comm.barrier()
+"""
+
+
 def test_atomic_save_library_shortcut():
-    message = shortcut_fails(lab12.atomic_save, *ex2(run_cell(ns12(), LIBRARY_LATEST)))
+    message = shortcut_fails(lab12.atomic_save, *ex2(run_cell(ns12(), LIBRARY_LATEST)))    # refused statically
     assert "_write_atomic" in message, message
+    message = shortcut_fails(lab12.atomic_save, *ex2(run_cell(ns12(), HIDDEN_COMMIT)))     # the wire, on rank 0
+    assert "_commit" in message, message
 
 
 # ------------------------------------------------------------------------------------ exercise 3

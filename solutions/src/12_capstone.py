@@ -339,8 +339,9 @@ scaling = os.path.join(os.path.dirname(os.path.dirname(minifsdp.__file__)), "doc
 display(Image(filename=scaling))
 
 # %% [markdown]
-# *Takeaway: ZeRO-3 / FSDP's peak falls with N while DDP's stays; every sharded layout
-# moves about 1.5× DDP's bytes per step (3·4Ψ against 2·4Ψ), whatever N.*
+# *Takeaway: the bytes a rank moves per step stay flat as N grows: 2·4Ψ for DDP and ZeRO-2,
+# about 3·4Ψ for ZeRO-1 (its broadcast) and ZeRO-3; the peak falls most for ZeRO-2 and ZeRO-3,
+# whose model states shrink as 1/N (activations shrink for all: the global batch is split).*
 
 # %% [markdown]
 # ## 5. The failure gallery
