@@ -145,3 +145,9 @@ def test_op_count_grows_by_a_block_per_layer_and_dispatch_adds_on_cpu_only():
     cuda = dataclasses.replace(cal, device="cuda")
     cuda.compute[2] = dict(cal.compute[2], op_s=1.0)                             # the host is the slower side
     assert _predict(cuda).compute_s == pytest.approx(sum(ops.values()))
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    assert doctest.testmod(step_time).failed == 0
