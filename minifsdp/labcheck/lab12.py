@@ -10,22 +10,22 @@ survives a rank killed in the middle of it, and the test that a resumed run cont
     check.hint("save")                    # the next hint for an exercise, idea first
 
 ``choose_layout`` prices the candidates itself with ``minifsdp.planner`` (and the learner's calibration)
-under the lab's cap and three more (every candidate fits, one fits, none fits) and holds the learner's
-choice to the fastest predicted layout that fits, or a ``ValueError`` naming the smallest peak.
+under the lab's cap and three more (every candidate fits, one fits, none fits), with one candidate the
+planner refuses added (``tp = 3``: to be skipped), and holds the learner's choice to the fastest predicted
+layout that fits, or a ``ValueError`` naming the smallest peak.
 
 ``atomic_save`` runs the learner's ``save`` and ``load_latest`` on 2 ranks (CPU ranks where the machine
-has fewer GPUs): nothing to load before the first save ``(0, None)``; steps 1-3 saved keeping 2 and the
-newest loaded on every rank; then, in a second launch, rank 1
-is killed (SIGKILL) inside its ``torch.save`` of step 4, before it writes, half a second after rank 0 wrote its
-own file (time enough for a save without a barrier to commit). After the kill, no folder named ``step_4``
-may exist, ``latest`` must still name ``step_3`` (and ``step_2``, ``step_3`` remain), and a third launch
-must load step 3 on every rank. This is
-the trainer's contract (``minifsdp.save_resume``: ``step_N.tmp``, one rename, ``latest``).
+has fewer GPUs): ``(0, None)`` before the first save; steps 1-3 saved keeping 2, the newest loaded on every
+rank. Then, in a second launch, rank 1 is killed (SIGKILL) inside its ``torch.save`` of step 4, before it
+writes, half a second after rank 0 wrote its own file (time enough for a save without a barrier to
+commit). After the kill no folder named ``step_4`` may exist, ``latest`` must still name ``step_3``
+(``step_2`` and ``step_3`` remain), and a third launch must load step 3 on every rank: the trainer's
+contract (``minifsdp.save_resume``: ``step_N.tmp``, one rename, ``latest``).
 
-``resume_exact`` runs the learner's ``first_divergence`` on six cases with known answers (aligned by step
-number, a relative tolerance, the step returned rather than a position, a resumed run longer than the
-reference), then on the lab's runs (the trainer's ``metrics.json`` in each run's folder): the resumed run must
-continue the uninterrupted one bit for bit.
+``resume_exact`` runs the learner's ``first_divergence`` on seven cases with known answers (aligned by
+step number, a relative tolerance, the step returned rather than a position, a resumed run longer than
+the reference), then on the lab's runs (the trainer's ``metrics.json`` in each run's folder): the resumed
+run must continue the uninterrupted one bit for bit.
 
 Authorship: ``atomic_save`` refuses ``minifsdp.save_resume`` (its atomic write, commit, resolve and
 Checkpointer) and ``torch.distributed.checkpoint``'s save and load, statically and at run time (a
