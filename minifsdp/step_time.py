@@ -78,7 +78,7 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce call pe
 def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
     """Least squares of ``seconds = α + β·nbytes`` in relative error: each point weighs 1/t², so a 4 KiB
     message (which sets α) counts as much as a 16 MiB one (which sets β). Closed form; a negative α
-    (noise) is refitted as β alone."""
+    (noise) is refitted as β alone, and a negative β as α alone."""
     n = len(nbytes)
     if n < 2 or len(seconds) != n or len(set(nbytes)) < 2 or min(seconds) <= 0:
         raise ValueError(f"fit_alpha_beta needs >= 2 distinct sizes with a positive time each, got {nbytes}, "
@@ -93,6 +93,8 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, fl
     if alpha < 0:  # a line through the origin: no negative latency
         alpha = 0.0
         beta = sum(wi * x * y for wi, x, y in zip(w, nbytes, seconds)) / sum(wi * x * x for wi, x in zip(w, nbytes))
+    if beta < 0:  # noise made larger messages look faster: a latency-only line (their weighted mean time)
+        alpha, beta = my, 0.0
     return round(alpha, 15), round(beta, 18)
 
 

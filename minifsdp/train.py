@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from . import data, dist, faults, models, save_resume, torch_reference, trace
+from . import calibrate, data, dist, faults, models, save_resume, torch_reference, trace
 from .launch import launch
 from .layout import MULTI_STAGE_SCHEDULES
 from .mixed_precision import PRECISIONS
@@ -310,6 +310,7 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         _save_plots(cfg, traces)
     if not cfg.quiet:
         print(summary_table(metrics))
+        print(calibrate.predicted_line(cfg, metrics))  # the planner's step time from runs/calibration.json
         print(f"\nwrote {cfg.out}/: metrics.json, trace.json (open in https://ui.perfetto.dev), "
               "timeline.png, memory.png")
     return metrics

@@ -149,6 +149,64 @@ def test_blank_lab_catches_a_check_that_passes_without_the_exercise(tmp_path: Pa
         tmp_path / "labs" / "06_ok.ipynb", tmp_path / "solutions" / "06_ok.ipynb", ROOT)
 
 
+REFERENCE_IN_A_DEMO = """\
+# %% [markdown]
+# # A reference implementation in a demo cell after the exercise
+
+# %%
+import os
+
+# %%
+def double(x):
+    # BEGIN SOLUTION
+    # HINT: twice x.
+    return 2 * x
+    # END SOLUTION
+
+# %%
+# CHECK
+assert double(2) == 4, "double(2) should be 4"
+
+# %%
+shown = [double(i) for i in range(3)]   # a demo: only a print reads it
+print(shown)
+
+# %%
+helper = lambda x: x + x                # a demo cell that holds a reference implementation
+
+# %%
+os.environ["LAB_SEEN"] = "1"            # acts past its names
+
+# %%
+def triple(x):
+    # BEGIN SOLUTION
+    # HINT: three times x.
+    return 3 * x
+    # END SOLUTION
+
+# %%
+# CHECK: leans on the demo's helper instead of the learner's code
+assert helper(3) + 3 == 9
+"""
+
+
+def test_blank_lab_skips_only_cells_no_check_needs(tmp_path: Path) -> None:
+    """The blank lab leaves out demos that no exercise or check reads (they run in the solution's run); a demo
+    whose name a check reads stays, so a reference implementation there is still caught."""
+    import nbformat
+
+    build(tmp_path, {"07_demo.py": REFERENCE_IN_A_DEMO})
+    solution = tmp_path / "solutions" / "07_demo.ipynb"
+    nb = nbformat.read(solution, as_version=4)
+    code = [i for i, c in enumerate(nb.cells, start=1) if c.cell_type == "code"]
+    skipped = runner.cells_no_check_needs(nb)
+    assert [nb.cells[i - 1].source.splitlines()[0] for i in sorted(skipped)] == [
+        "shown = [double(i) for i in range(3)]   # a demo: only a print reads it"]
+    assert set(code) - skipped >= {code[0], code[1], code[2], code[4], code[5], code[6], code[7]}
+    with pytest.raises(runner.NotebookRunError, match=r"check cell\(s\) \[\d+\] passed although no exercise"):
+        runner.run_blank_lab(tmp_path / "labs" / "07_demo.ipynb", solution, ROOT)
+
+
 def test_nondeterministic_checked_output_is_caught(tmp_path: Path) -> None:
     build(tmp_path, {"04_random.py": "# %% [markdown]\n# # Random\n\n# %%\n"
                                      "# NBVAL_CHECK_OUTPUT\nimport random\nprint(random.random())\n"})

@@ -37,6 +37,14 @@ def test_a_negative_latency_is_refitted_through_the_origin():
                                            sum((x / t) ** 2 for x, t in zip(sizes, seconds)))
 
 
+def test_a_negative_bandwidth_term_is_refitted_as_latency_alone():
+    sizes, seconds = [1000, 2000, 3000], [3e-6, 2e-6, 1e-6]            # larger messages measured faster: noise
+    a, b = fit_alpha_beta(sizes, seconds)
+    weights = [1 / t**2 for t in seconds]
+    assert b == 0.0 and a == pytest.approx(sum(w * t for w, t in zip(weights, seconds)) / sum(weights))
+    assert a > 0
+
+
 @pytest.mark.parametrize("sizes, seconds", [([1000], [1.0]), ([1000, 1000], [1.0, 2.0]), ([1, 2], [0.0, 1.0])])
 def test_fit_refuses_what_cannot_be_fitted(sizes, seconds):
     with pytest.raises(ValueError, match="fit_alpha_beta needs >= 2 distinct sizes"):

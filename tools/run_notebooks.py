@@ -24,6 +24,7 @@ take ``CELL_TIMEOUT`` seconds.  tests/test_notebooks.py calls
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import os
 import re
@@ -95,8 +96,9 @@ def _text_outputs(cell: NotebookNode) -> list[str]:
 
 def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_marked: bool = False,
                   env: dict[str, str] | None = None,
-                  collect: list[str] | None = None) -> Iterator[tuple[int, CellError | None]]:
-    """Run a notebook's code cells in order, yielding (cell number, error or None).
+                  collect: list[str] | None = None,
+                  skip: frozenset[int] = frozenset()) -> Iterator[tuple[int, CellError | None]]:
+    """Run a notebook's code cells in order, yielding (cell number, error or None); cells in ``skip`` are not run.
 
     Stop early by breaking out of the loop: the kernel is shut down either way.
     With ``recheck_marked``, a cell marked ``# NBVAL_CHECK_OUTPUT`` runs twice
@@ -111,7 +113,7 @@ def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_m
     client.km.shutdown_wait_time = 2.0  # ipykernel sometimes lingers ~3 s after shutdown
     with client.setup_kernel(env=kernel_env(root, env), cwd=str(path.parent)):
         for index, cell in enumerate(nb.cells, start=1):
-            if cell.cell_type != "code":
+            if cell.cell_type != "code" or index in skip:
                 continue
             error = _run(client, cell, index, (CellExecutionError, CellTimeoutError,
                                                DeadKernelError))
@@ -207,6 +209,74 @@ def check_cells(nb: NotebookNode) -> list[int]:
     return [code[k + 1] for k, i in enumerate(code[:-1]) if nbt.is_exercise(nb.cells[i - 1])]
 
 
+# Calls and names through which a cell may act past the names it binds: the environment, files, global RNG,
+# objects by name. A cell that makes one (in its own code or in a function it defines) is never skipped.
+_SIDE_EFFECTS = {"exec", "eval", "setattr", "delattr", "open", "chdir", "environ", "putenv", "manual_seed",
+                 "write", "write_text", "write_bytes", "save", "savefig", "unlink", "rmtree", "mkdir", "makedirs",
+                 "rename", "set_start_method", "set_default_dtype"}
+
+
+def _names(source: str) -> tuple[set[str], set[str]] | None:
+    """(names a cell binds, names it reads); None where it may act past its names (``_SIDE_EFFECTS``), does not
+    parse, or changes an object it did not make (``x.attr = ...``, ``x[k] = ...`` of an outside ``x``)."""
+    try:
+        tree = ast.parse(source)  # a magic (%time, !ls) does not parse: not sorted
+    except SyntaxError:
+        return None
+    binds, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Global, ast.Nonlocal)) or \
+                (isinstance(node, ast.Name) and node.id in _SIDE_EFFECTS) or \
+                (isinstance(node, ast.Attribute) and node.attr in _SIDE_EFFECTS):
+            return None
+        if isinstance(node, ast.Name):
+            (binds if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                base = base.value
+            if not (isinstance(base, ast.Name) and base.id in binds):
+                return None
+    return binds, reads
+
+
+def _mentioned(source: str) -> set[str]:
+    """Every name a cell mentions: what a cell whose names ``_names`` cannot sort may read."""
+    try:
+        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return set()
+
+
+def cells_no_check_needs(nb: NotebookNode) -> frozenset[int]:
+    """The cells after the first exercise that no exercise or check cell needs: demos, plots, tables.
+
+    A blank lab skips them: they run (and are checked) in the solution's run, and leaving them out cannot
+    make a check pass, because a cell stays whenever a name it binds is read by a cell that stays (followed
+    back from every exercise and check cell), or when it may act past its names (``_names``). A cell that a
+    check needs and that was skipped anyway would show as that check's NameError, a raw error, which fails."""
+    code = [i for i, c in enumerate(nb.cells, start=1) if c.cell_type == "code"]
+    exercises = [i for i in code if nbt.is_exercise(nb.cells[i - 1])]
+    if not exercises:
+        return frozenset()
+    keep = set(exercises) | set(check_cells(nb)) | {i for i in code if i < exercises[0]}
+    needed: set[str] = set()
+    skip = set()
+    for i in reversed(code):
+        source = nb.cells[i - 1].source
+        names = _names(source)
+        if i in keep or names is None or names[0] & needed:
+            needed |= names[1] if names is not None else _mentioned(source)
+        else:
+            skip.add(i)
+    return frozenset(skip)
+
+
 def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CELL_TIMEOUT,
                   env: dict[str, str] | None = None) -> str:
     """Run EVERY cell of a lab (exercises unwritten); every check cell must fail, in words.
@@ -227,7 +297,8 @@ def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CE
     hints = nbt.make_lab_source(sol.cells[target - 1].source, str(solution), target)[1]
     passed_checks, first_stop, raw = [], None, []
     uses_labcheck = "labcheck" in "".join(c.source for c in sol.cells if c.cell_type == "code")
-    with contextlib.closing(execute_cells(lab, root, timeout, env=env)) as cells:
+    skip = cells_no_check_needs(sol)  # judged on the solution's sources: its exercises read more than the stubs
+    with contextlib.closing(execute_cells(lab, root, timeout, env=env, skip=skip)) as cells:
         for index, error in cells:
             if index < target and error is not None:
                 raise NotebookRunError(error.report(lab, "failed before the first exercise"))
