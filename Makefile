@@ -28,10 +28,13 @@ demo: $(VENV)/.installed
 lab: $(VENV)/.installed
 	$(PY) -m jupyter lab --ServerApp.root_dir=. $(ROOT_FLAG)
 
-# Serial: two pytest-xdist workers measured 591 s against 635 s, but two notebook kernels at once made
-# nbclient's rare lost-reply stall (tools/run_notebooks.py, BLANK_CELL_TIMEOUT) cost 120 s twice in one run.
+# tests/ on two pytest-xdist workers: a quarter of the ranks' time is spent waiting (kernels and torchrun
+# starting, ranks in collectives), which the other worker fills. Every notebook test on one worker (conftest.py:
+# one kernel at a time; two at once made nbclient's rare lost-reply stall cost 120 s). Then solutions/ under
+# nbval, alone: nbval keeps one kernel per notebook across its cells, which an xdist worker does not.
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	MINIFSDP_NBVAL_NEXT=1 $(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest solutions
 
 # conftest.py marks what starts processes or kernels; solutions/ (nbval) is all notebook
 test-fast: $(VENV)/.installed

@@ -33,9 +33,11 @@ tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution as a 
 notebook that nbval does not run in the session, and (opt-in: ``make test-gpu-counts``) once more
 through nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``).
 
-**Serially.** ``make test`` runs one test at a time. Two pytest-xdist workers (``-n 2 --dist
-loadfile``) measured 591 s against 635 s, but with two notebook kernels at once nbclient's rare
-lost-reply stall cost a blank lab its 120 s cell timeout twice in one run: not worth 44 s.
+**Two workers, notebooks on one.** ``make test`` runs tests/ on two pytest-xdist workers (``-n 2 --dist
+loadgroup``): every test file whole on one worker (its module fixtures run once), and every notebook test on
+the same worker, one kernel at a time (two kernels at once made nbclient's rare lost-reply stall cost a blank
+lab its 120 s cell timeout). solutions/ then runs under nbval in a pytest of its own: nbval keeps one kernel
+per notebook across its cells, which an xdist worker does not (each cell got a fresh kernel).
 """
 from __future__ import annotations
 
@@ -242,6 +244,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
             if _reaches_a_spawner(item.function, fixtures):
                 item.add_marker(pytest.mark.multiprocess)
+        # Two pytest-xdist workers (make test): every notebook on one of them, one kernel at a time, and each
+        # other file whole on one worker, so a module's fixture runs once.
+        notebook = item.get_closest_marker("notebook") is not None
+        item.add_marker(pytest.mark.xdist_group("notebooks" if notebook else item.path.name))
 
 
 # ---------------------------------------------------------------- a fast test stays fast
