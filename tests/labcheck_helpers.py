@@ -175,3 +175,15 @@ def fails_with(call, *words: str) -> str:
     for w in words:
         assert re.search(w, message), f"{w!r} not in the verdict: {message}"
     return message
+
+
+def hints_come_one_at_a_time(hint: Any, names: tuple[str, ...], capsys: Any) -> None:
+    """Each exercise's hints: the first, then the second, each line at most 100 characters; ``again`` restarts."""
+    for name in names:
+        hint.again(name)
+        hint(name)
+        first = capsys.readouterr().out
+        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
+        hint(name)
+        assert capsys.readouterr().out.startswith("hint 2 of")
+        hint.again(name)

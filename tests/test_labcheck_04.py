@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
+from labcheck_helpers import edits_apply, fails, hints_come_one_at_a_time, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab04
 
 STEM = "04_fsdp"
@@ -73,14 +73,7 @@ def test_checks_fail_on_the_blank_lab():
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("flat_shard", "fsdp_forward", "fsdp_backward"):
-        lab04.hint.again(name)
-        lab04.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith(f"hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab04.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab04.hint.again(name)
+    hints_come_one_at_a_time(lab04.hint, ("flat_shard", "fsdp_forward", "fsdp_backward"), capsys)
 
 
 # ------------------------------------------------------------------------------------ exercise 1

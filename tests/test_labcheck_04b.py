@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
+from labcheck_helpers import edits_apply, fails, hints_come_one_at_a_time, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab04b
 
 STEM = "04b_fully_shard"
@@ -71,14 +71,8 @@ def test_checks_fail_on_the_blank_lab():
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("shard_param", "unshard", "reduce_scatter_grads", "post_backward"):
-        lab04b.hint.again(name)
-        lab04b.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab04b.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab04b.hint.again(name)
+    names = ("shard_param", "unshard", "reduce_scatter_grads", "post_backward")
+    hints_come_one_at_a_time(lab04b.hint, names, capsys)
 
 
 # ------------------------------------------------------------------------------------ exercise 1 (in this process)

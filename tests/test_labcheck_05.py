@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
+from labcheck_helpers import edits_apply, fails, hints_come_one_at_a_time, load, run_cell, shortcut_fails
 from minifsdp.labcheck import lab05
 
 STEM = "05_mixed_precision"
@@ -80,15 +80,9 @@ def test_checks_fail_on_the_blank_lab():
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("underflow_fraction", "swamped_fraction", "LossScaler", "fp16_train_step", "sharded_scaler_step",
-                 "policy_bytes"):
-        lab05.hint.again(name)
-        lab05.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab05.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab05.hint.again(name)
+    names = ("underflow_fraction", "swamped_fraction", "LossScaler", "fp16_train_step", "sharded_scaler_step",
+             "policy_bytes")
+    hints_come_one_at_a_time(lab05.hint, names, capsys)
 
 
 def test_measuring_helpers_are_not_public():

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from labcheck_helpers import edits_apply, fails, lab_tests, load, run_cell, shortcut_fails
+from labcheck_helpers import (edits_apply, fails, hints_come_one_at_a_time, lab_tests,
+                              load, run_cell, shortcut_fails)
 from minifsdp import context_parallel as C
 from minifsdp import models
 from minifsdp.labcheck import lab10
@@ -112,14 +113,8 @@ def test_results_for_the_plots(capsys):
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("block_attention", "merge", "ring_attention_forward", "zigzag_chunks", "shard", "work_per_rank"):
-        lab10.hint.again(name)
-        lab10.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab10.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab10.hint.again(name)
+    names = ("block_attention", "merge", "ring_attention_forward", "zigzag_chunks", "shard", "work_per_rank")
+    hints_come_one_at_a_time(lab10.hint, names, capsys)
 
 
 # ------------------------------------------------------------------------------------ exercise 1 (in this process)

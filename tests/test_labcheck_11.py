@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, run_cell, shortcut_fails
+from labcheck_helpers import edits_apply, fails, hints_come_one_at_a_time, load, run_cell, shortcut_fails
 from minifsdp import models, planner
 from minifsdp.expert_parallel import cost
 from minifsdp.labcheck import lab11
@@ -69,14 +69,7 @@ def test_checks_fail_on_the_blank_lab():
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("route", "dispatch", "combine"):
-        lab11.hint.again(name)
-        lab11.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab11.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab11.hint.again(name)
+    hints_come_one_at_a_time(lab11.hint, ("route", "dispatch", "combine"), capsys)
 
 
 # ------------------------------------------------------------------------------------ exercise 1 (in this process)

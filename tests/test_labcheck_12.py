@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from labcheck_helpers import edits_apply, fails, load, mistakes_match, run_cell, shortcut_fails
+from labcheck_helpers import (edits_apply, fails, hints_come_one_at_a_time, load,
+                              mistakes_match, run_cell, shortcut_fails)
 from minifsdp.labcheck import lab12
 from minifsdp.step_time import OPS, Calibration
 
@@ -79,14 +80,7 @@ def test_checks_fail_on_the_blank_lab(runs):
 
 
 def test_hints_come_one_at_a_time(capsys):
-    for name in ("choose_layout", "save", "load_latest", "first_divergence"):
-        lab12.hint.again(name)
-        lab12.hint(name)
-        first = capsys.readouterr().out
-        assert first.startswith("hint 1 of") and all(len(line) <= 100 for line in first.splitlines()), first
-        lab12.hint(name)
-        assert capsys.readouterr().out.startswith("hint 2 of")
-        lab12.hint.again(name)
+    hints_come_one_at_a_time(lab12.hint, ("choose_layout", "save", "load_latest", "first_divergence"), capsys)
 
 
 # ------------------------------------------------------------------------------------ exercise 1
