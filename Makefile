@@ -28,13 +28,13 @@ demo: $(VENV)/.installed
 lab: $(VENV)/.installed
 	$(PY) -m jupyter lab --ServerApp.root_dir=. $(ROOT_FLAG)
 
-# tests/ on two pytest-xdist workers: a quarter of the ranks' time is spent waiting (kernels and torchrun
-# starting, ranks in collectives), which the other worker fills. Every notebook test on one worker (conftest.py:
-# one kernel at a time; two at once made nbclient's rare lost-reply stall cost 120 s). Then solutions/ under
-# nbval, alone: nbval keeps one kernel per notebook across its cells, which an xdist worker does not.
+# Everything in one pytest on two pytest-xdist workers: tests/ and solutions/ under nbval (pyproject's testpaths).
+# A quarter of a lone run's time is spent waiting (kernels and torchrun starting, ranks in collectives), which
+# the other worker fills. --dist loadfile: each file whole on one worker, so a module's fixtures run once and
+# nbval keeps one kernel per notebook across its cells. Files go out slowest kind first (conftest.py), so the
+# last ones are quick and neither worker waits long for the other at the end.
 test: $(VENV)/.installed
-	MINIFSDP_NBVAL_NEXT=1 $(PY) -m pytest -n 2 --dist loadgroup tests
-	$(PY) -m pytest solutions
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # conftest.py marks what starts processes or kernels; solutions/ (nbval) is all notebook
 test-fast: $(VENV)/.installed

@@ -33,11 +33,10 @@ tests/test_notebooks.py::test_solution_on_pretend_gpus runs every solution as a 
 notebook that nbval does not run in the session, and (opt-in: ``make test-gpu-counts``) once more
 through nbclient as a 1-GPU VM (``MINIFSDP_FAKE_GPU=1``).
 
-**Two workers, notebooks on one.** ``make test`` runs tests/ on two pytest-xdist workers (``-n 2 --dist
-loadgroup``): every test file whole on one worker (its module fixtures run once), and every notebook test on
-the same worker, one kernel at a time (two kernels at once made nbclient's rare lost-reply stall cost a blank
-lab its 120 s cell timeout). solutions/ then runs under nbval in a pytest of its own: nbval keeps one kernel
-per notebook across its cells, which an xdist worker does not (each cell got a fresh kernel).
+**Two workers.** ``make test`` runs tests/ and solutions/ in one pytest on two pytest-xdist workers (``-n 2
+--dist loadfile``): every file whole on one worker, so a module's fixtures run once and nbval keeps one kernel per
+notebook across its cells. Kernels on the two workers may run at the same time; they talk over Unix sockets, not
+TCP ports (``pytest_configure``; tools/run_notebooks.py's ``use_ipc`` says why).
 """
 from __future__ import annotations
 
@@ -244,10 +243,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
             if _reaches_a_spawner(item.function, fixtures):
                 item.add_marker(pytest.mark.multiprocess)
-        # Two pytest-xdist workers (make test): every notebook on one of them, one kernel at a time, and each
-        # other file whole on one worker, so a module's fixture runs once.
-        notebook = item.get_closest_marker("notebook") is not None
-        item.add_marker(pytest.mark.xdist_group("notebooks" if notebook else item.path.name))
+    # Slow files first: those that start kernels, then those that start processes, then the rest. make test's
+    # workers take whole files in this order (--no-loadscope-reorder), so the last files are quick ones and
+    # neither worker sits idle long at the end waiting for the other. The sort is stable: a file keeps its order.
+    kind: dict[Path, int] = {}
+    for item in items:
+        slow = 0 if item.get_closest_marker("notebook") else 1 if item.get_closest_marker("multiprocess") else 2
+        kind[item.path] = min(kind.get(item.path, 2), slow)
+    items.sort(key=lambda item: kind[item.path])
 
 
 # ---------------------------------------------------------------- a fast test stays fast
@@ -289,6 +292,28 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         patch.setattr(subprocess.Popen, "__init__", _refusing(
             subprocess.Popen.__init__, item, _python_argv))
         yield
+
+
+# ---------------------------------------------------------------- nbval's kernels on Unix sockets
+def pytest_configure(config: pytest.Config) -> None:
+    """nbval's kernels talk over Unix sockets, as tools/run_notebooks.py's do (``use_ipc`` says why: a TCP
+    port chosen for a kernel can be taken by another process before the kernel binds it)."""
+    try:
+        import nbval.kernel
+    except ImportError:
+        return
+    if getattr(nbval.kernel.KernelManager, "minifsdp_ipc", False):
+        return
+    sys.path.insert(0, str(ROOT / "tools"))
+    import run_notebooks
+
+    manager = nbval.kernel.KernelManager
+
+    def ipc_kernel_manager(**kwargs: Any) -> Any:
+        return run_notebooks.use_ipc(manager(**kwargs))
+
+    ipc_kernel_manager.minifsdp_ipc = True  # type: ignore[attr-defined]
+    nbval.kernel.KernelManager = ipc_kernel_manager
 
 
 # ---------------------------------------------------------------- nbval's pretend GPU

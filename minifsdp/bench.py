@@ -124,7 +124,6 @@ class BenchConfig:
 # --pin-malloc: glibc's mmap threshold (no dynamic raising) and trim threshold, inherited by every worker
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
-
 PRECISION_SUFFIXES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp16": ("fp16", False),
                       "autocast": ("fp32", True)}
 LOSS_RTOL_BY_PRECISION = {"fp32": LOSS_RTOL, "bf16": 2.0**-8, "fp16": 2.0**-11}  # one ulp of the compute dtype

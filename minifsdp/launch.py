@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -105,6 +106,9 @@ def _worker_main(rank: int, world_size: int, payload: bytes, run_dir: str,
                  backend: str, timeout_s: float, threads: int, parent_pid: int,
                  results: "mp.Queue", pretend_gpu: bool = False, check: bool = False,
                  env: dict[str, str | None] | None = None) -> None:
+    # What the forkserver imported (torch, minifsdp) lives as long as the rank: keep it out of the cyclic
+    # garbage collector's scans (each full scan walked every one of those objects; O(1) to do, see gc.freeze)
+    gc.freeze()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     for name, value in (env or {}).items():
         if value is None:

@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,6 +208,32 @@ def test_blank_lab_skips_only_cells_no_check_needs(tmp_path: Path) -> None:
         runner.run_blank_lab(tmp_path / "labs" / "07_demo.ipynb", solution, ROOT)
 
 
+def test_shared_kernel_starts_each_notebook_clean(tmp_path: Path) -> None:
+    """What one notebook leaves behind (names, environment, sys.path, folder, warning filters, figures) is gone
+    when the next starts on the shared kernel; a cell that times out ends the kernel and the next gets a new one."""
+    (tmp_path / "sub").mkdir()
+    dirty = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os, sys, warnings\nimport matplotlib.pyplot as plt\nleft = 1\nos.environ['LEFT_BEHIND'] = '1'\n"
+        "sys.path.append('/left')\nos.chdir('sub')\nwarnings.simplefilter('error')\nplt.figure()")])
+    probe = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os, sys, warnings\nimport matplotlib.pyplot as plt\n"
+        "print('left' in globals(), 'LEFT_BEHIND' in os.environ, '/left' in sys.path, os.getcwd(),\n"
+        "      ('error', None, Warning, None, 0) in warnings.filters, len(plt.get_fignums()), os.environ['CHOSEN'])")])
+    slow = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time\ntime.sleep(30)")])
+    for name, nb in (("dirty", dirty), ("probe", probe), ("slow", slow)):
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    out: list[str] = []
+    with runner.SharedKernel(ROOT, env={"CHOSEN": "yes"}, timeout=5) as kernel:
+        for name in ("dirty", "probe"):
+            assert [e for _, e in runner.execute_cells(tmp_path / f"{name}.ipynb", ROOT, 5, env=kernel.env,
+                                                        collect=out, kernel=kernel) if e] == []
+        assert out[1].split() == ["stdout:", "False", "False", "False", str(tmp_path), "False", "0", "yes"], out
+        errors = [e for _, e in runner.execute_cells(tmp_path / "slow.ipynb", ROOT, 5, env=kernel.env, kernel=kernel)]
+        assert errors[0] is not None and errors[0].ename == "CellTimeoutError"
+        list(runner.execute_cells(tmp_path / "probe.ipynb", ROOT, 5, env=kernel.env, collect=out, kernel=kernel))
+        assert kernel.started == 2 and out[-1].split()[-1] == "yes", (kernel.started, out)
+
+
 def test_nondeterministic_checked_output_is_caught(tmp_path: Path) -> None:
     build(tmp_path, {"04_random.py": "# %% [markdown]\n# # Random\n\n# %%\n"
                                      "# NBVAL_CHECK_OUTPUT\nimport random\nprint(random.random())\n"})
@@ -225,8 +252,18 @@ def test_solution_notebook_runs(path: Path) -> None:
         pytest.fail(str(err), pytrace=False)
 
 
+BLANK_ENV = {"MINIFSDP_FAKE_GPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def blank_kernel():
+    """One kernel for every blank lab, each started clean (run_notebooks.SharedKernel: ~8 s of CPU saved a lab)."""
+    with runner.SharedKernel(ROOT, env=BLANK_ENV, timeout=runner.BLANK_CELL_TIMEOUT) as kernel:
+        yield kernel
+
+
 @pytest.mark.parametrize("path", SOLUTIONS or [NO_NOTEBOOKS], ids=_ids)
-def test_blank_lab_every_check_fails(path: Path) -> None:
+def test_blank_lab_every_check_fails(path: Path, blank_kernel) -> None:
     """Every cell of labs/NN.ipynb runs with the exercises unwritten: the first exercise stops with its
     hint, and EVERY check cell fails, in words (CheckFailed, not a raw traceback). A check passing on the
     blank lab would mean that a cell outside the exercises holds a reference implementation, or that the
@@ -234,7 +271,7 @@ def test_blank_lab_every_check_fails(path: Path) -> None:
     lab = ROOT / "labs" / path.name
     assert lab.exists(), f"{lab} is missing; run: python tools/make_labs.py"
     try:
-        runner.run_blank_lab(lab, path, ROOT, env={"MINIFSDP_FAKE_GPU": "1"})
+        runner.run_blank_lab(lab, path, ROOT, env=BLANK_ENV, kernel=blank_kernel)
     except runner.NotebookRunError as err:
         pytest.fail(str(err), pytrace=False)
 
@@ -256,8 +293,7 @@ def test_solution_on_pretend_gpus(path: Path, gpus: str, request: pytest.Fixture
     runs the exercises' 1- and 2-rank launches on pretend GPUs -- and it costs a third of the suite's time."""
     if gpus == "1" and os.environ.get("MINIFSDP_NB_GPU_COUNTS") != "1":
         pytest.skip("the 1-GPU run of every solution is opt-in: MINIFSDP_NB_GPU_COUNTS=1 (make test-gpu-counts)")
-    nbval_runs_it = any(item.path == path for item in request.session.items) or \
-        os.environ.get("MINIFSDP_NBVAL_NEXT") == "1"   # make test: nbval's run of solutions/ comes next
+    nbval_runs_it = any(item.path == path for item in request.session.items)  # make test: tests/ and solutions/
     if gpus == "2" and nbval_runs_it and "NBVAL_SKIP" not in path.read_text():
         pytest.skip("nbval runs every cell of this notebook in this session, as a 2-GPU VM (conftest.py)")
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minifsdp.train import TrainConfig, parse_args, train
+from minifsdp.train import TrainConfig, main, parse_args, train
 
 # fp32, a few AdamW steps on gpt-tiny: reductions happen in a different order
 # across ranks, so losses agree to ~1e-6 relative, not bit for bit.
@@ -15,6 +15,7 @@ LOSS_RTOL = 1e-5
 
 
 def _run(tmp_path, **kw):
+    kw.setdefault("write_plots", False)  # test_outputs asks for the plots
     cfg = TrainConfig(model="gpt-tiny", steps=4, batch_size=8, quiet=True, out=str(tmp_path / kw.get("strategy", "single")),
                       **kw)
     return train(cfg)
@@ -44,7 +45,7 @@ def test_parity_with_single(tmp_path, single, strategy, world_size, grad_accum, 
 
 def test_outputs(tmp_path, single):
     out = tmp_path / "single"
-    m = _run(tmp_path, strategy="single", world_size=1)
+    m = _run(tmp_path, strategy="single", world_size=1, write_plots=True)
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["strategy"] == "single" and metrics["world_size"] == 1
     assert metrics["losses"] == m["losses"] and len(metrics["step_time_s"][0]) == 4
@@ -72,11 +73,21 @@ def test_ddp_records_bytes_per_step(tmp_path):
     (["--strategy", "fsdp", "--sharding-strategy", "HYBRID_SHARD", "--world-size", "3", "--batch-size", "6"],
      "use an even --world-size"),
 ])
-def test_bad_input_one_line_error(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "minifsdp.train", *argv], capture_output=True, text=True,
-                          timeout=120)
+def test_bad_input_one_line_error(argv, message, capsys):
+    """``main`` as the command line runs it, in this process (tests/test_bad_input.py has every row)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    said = capsys.readouterr().err + (exit_.value.code if isinstance(exit_.value.code, str) else "")
+    assert exit_.value.code not in (0, None)
+    assert message in said and "Traceback" not in said, said
+
+
+def test_bad_input_from_the_command_line():
+    """The same from a shell: a non-zero exit and one line, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "minifsdp.train", "--strategy", "ddp", "--world-size", "3",
+                           "--batch-size", "8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "multiple of world size x grad accum = 3" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_parse_args_defaults():

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import nbformat
 from nbformat import NotebookNode
@@ -74,6 +78,25 @@ def kernel_env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
+_IPC_DIR: list[str] = []  # one private folder per process for every kernel's sockets
+
+
+def use_ipc(km: Any) -> Any:
+    """Reach the kernel through Unix sockets in a private folder instead of TCP ports; returns ``km``.
+
+    jupyter_client picks a kernel's five TCP ports by asking the OS for a free port and closing it again;
+    the kernel binds them a moment later, and meanwhile another process (a second test worker's kernel,
+    gloo ranks opening ports of their own) can take one. That is the likely cause of a reply that never
+    came while the kernel sat idle (once in a serial CI run, more often with two workers: the client waited
+    out the cell timeout). Socket files in a folder of this process's own cannot be taken by anyone else."""
+    if not _IPC_DIR:
+        _IPC_DIR.append(tempfile.mkdtemp(prefix="kernels-"))
+        atexit.register(shutil.rmtree, _IPC_DIR[0], True)
+    km.transport = "ipc"
+    km.ip = os.path.join(_IPC_DIR[0], uuid.uuid4().hex[:12])  # the sockets are this path + "-1" ... "-5"
+    return km
+
+
 def _text_outputs(cell: NotebookNode) -> list[str]:
     texts: list[str] = []
     last_stream: str | None = None
@@ -97,21 +120,25 @@ def _text_outputs(cell: NotebookNode) -> list[str]:
 def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_marked: bool = False,
                   env: dict[str, str] | None = None,
                   collect: list[str] | None = None,
-                  skip: frozenset[int] = frozenset()) -> Iterator[tuple[int, CellError | None]]:
+                  skip: frozenset[int] = frozenset(),
+                  kernel: SharedKernel | None = None) -> Iterator[tuple[int, CellError | None]]:
     """Run a notebook's code cells in order, yielding (cell number, error or None); cells in ``skip`` are not run.
 
-    Stop early by breaking out of the loop: the kernel is shut down either way.
-    With ``recheck_marked``, a cell marked ``# NBVAL_CHECK_OUTPUT`` runs twice
-    and must print the same text both times. ``collect``: a list that gets each cell's text output.
+    Stop early by breaking out of the loop: the kernel is shut down either way (a ``kernel`` passed in is
+    kept for the next notebook, started clean). With ``recheck_marked``, a cell marked
+    ``# NBVAL_CHECK_OUTPUT`` runs twice and must print the same text both times. ``collect``: a list that
+    gets each cell's text output.
     """
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=nbt.KERNEL, allow_errors=False)
-    client.km = client.create_kernel_manager()
-    client.km.shutdown_wait_time = 2.0  # ipykernel sometimes lingers ~3 s after shutdown
-    with client.setup_kernel(env=kernel_env(root, env), cwd=str(path.parent)):
+    if kernel is None:
+        client = _client(nb, timeout)
+        session = client.setup_kernel(env=kernel_env(root, env), cwd=str(path.parent))
+    else:
+        assert env == kernel.env and timeout == kernel.timeout, "a shared kernel runs with its own env and timeout"
+        client, session = kernel.client_for(nb, path.parent), contextlib.nullcontext()
+    with session:
         for index, cell in enumerate(nb.cells, start=1):
             if cell.cell_type != "code" or index in skip:
                 continue
@@ -129,9 +156,96 @@ def execute_cells(path: Path, root: Path, timeout: int = CELL_TIMEOUT, recheck_m
                     error = CellError(index, cell.source, "NBVAL_CHECK_OUTPUT",
                                       "the output differs between two runs",
                                       f"first run: {first!r}\nsecond run: {_text_outputs(cell)!r}")
+            if kernel is not None and error is not None and error.ename in ("CellTimeoutError", "DeadKernelError"):
+                kernel.discard()  # busy or gone: the next notebook gets a fresh kernel
             if collect is not None:
                 collect.append("".join(_text_outputs(cell)))
             yield index, error
+
+
+def _client(nb: NotebookNode, timeout: int) -> Any:
+    from nbclient import NotebookClient
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name=nbt.KERNEL, allow_errors=False)
+    client.km = use_ipc(client.create_kernel_manager())
+    client.km.shutdown_wait_time = 2.0  # ipykernel sometimes lingers ~3 s after shutdown
+    return client
+
+
+# Run once in a fresh shared kernel: what a notebook starts from, kept in a module the notebooks do not see,
+# with the function that puts it back: the kernel's first namespace (not %reset, which also drops __main__'s
+# __spec__, which launch reads), environment, sys.path, folder and warning filters; no figure left open
+_SNAPSHOT = """def _kernel_start():
+    import os, sys, types, warnings
+    ip, start = get_ipython(), types.ModuleType("_kernel_start")
+    environ, path, filters = dict(os.environ), list(sys.path), list(warnings.filters)
+
+    def restore(cwd):
+        os.environ.clear(); os.environ.update(environ)
+        sys.path[:] = path
+        os.chdir(cwd)
+        warnings.filters[:] = filters
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+        ip.user_ns.clear(); ip.user_ns.update(start.names)
+
+    start.restore, sys.modules[start.__name__] = restore, start
+    return start
+_kernel_start().names = {k: v for k, v in get_ipython().user_ns.items() if k != "_kernel_start"}
+del _kernel_start"""
+_RESET = """__import__("sys").modules["_kernel_start"].restore({cwd!r})"""
+
+
+class SharedKernel:
+    """One kernel that runs many notebooks one after another, each from a clean start.
+
+    A kernel of its own costs a notebook ~8 s of CPU before its first cell does anything: the kernel,
+    ``import torch`` and minifsdp in it, and the forkserver its first ``launch`` starts (minifsdp/launch.py).
+    The blank labs (tests/test_notebooks.py) share one instead. Each notebook starts with the namespace a
+    fresh kernel has, the environment, ``sys.path``, warning filters and folder the kernel started with, and
+    no open figure; what stays is what makes it cheap: the imported modules and the forkserver. A notebook
+    that needs a name it never defined still fails with NameError. A cell that times out or kills the
+    kernel ends it (``discard``): the next notebook starts a fresh one.
+
+        with SharedKernel(ROOT, env={"MINIFSDP_FAKE_GPU": "1"}, timeout=120) as kernel:
+            for lab in labs:
+                run_blank_lab(lab, solution_of(lab), ROOT, env=kernel.env, kernel=kernel)
+    """
+
+    def __init__(self, root: Path, env: dict[str, str] | None = None, timeout: int = CELL_TIMEOUT):
+        self.root, self.env, self.timeout = root, env, timeout
+        self._client: Any = None
+        self._session: contextlib.ExitStack | None = None
+        self.started = 0  # kernels started so far (tests read it)
+
+    def client_for(self, nb: NotebookNode, cwd: Path) -> Any:
+        """A client on the shared kernel, reset and pointed at ``nb``, working in ``cwd``."""
+        scratch = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell()])
+        if self._client is None:
+            self._client = _client(scratch, self.timeout)
+            self._session = contextlib.ExitStack()
+            self._session.enter_context(self._client.setup_kernel(env=kernel_env(self.root, self.env), cwd=str(cwd)))
+            self.started += 1
+            scratch.cells[0].source = _SNAPSHOT
+        else:
+            scratch.cells[0].source = _RESET.format(cwd=str(cwd))
+        self._client.nb = scratch
+        self._client.execute_cell(scratch.cells[0], 0)
+        self._client.nb = nb
+        self._client.reset_execution_trackers()
+        return self._client
+
+    def discard(self) -> None:
+        """Shut the kernel down; the next notebook starts a new one."""
+        if self._session is not None:
+            session, self._session, self._client = self._session, None, None
+            session.close()
+
+    def __enter__(self) -> SharedKernel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.discard()
 
 
 FIGURE_MARK = "# FIGURE"  # a code cell marked so must show at least one image (LAB-GUIDE §4: tests count images)
@@ -278,7 +392,7 @@ def cells_no_check_needs(nb: NotebookNode) -> frozenset[int]:
 
 
 def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CELL_TIMEOUT,
-                  env: dict[str, str] | None = None) -> str:
+                  env: dict[str, str] | None = None, kernel: SharedKernel | None = None) -> str:
     """Run EVERY cell of a lab (exercises unwritten); every check cell must fail, in words.
 
     The proof that no cell outside the exercises holds a reference implementation:
@@ -298,7 +412,7 @@ def run_blank_lab(lab: Path, solution: Path, root: Path, timeout: int = BLANK_CE
     passed_checks, first_stop, raw = [], None, []
     uses_labcheck = "labcheck" in "".join(c.source for c in sol.cells if c.cell_type == "code")
     skip = cells_no_check_needs(sol)  # judged on the solution's sources: its exercises read more than the stubs
-    with contextlib.closing(execute_cells(lab, root, timeout, env=env, skip=skip)) as cells:
+    with contextlib.closing(execute_cells(lab, root, timeout, env=env, skip=skip, kernel=kernel)) as cells:
         for index, error in cells:
             if index < target and error is not None:
                 raise NotebookRunError(error.report(lab, "failed before the first exercise"))

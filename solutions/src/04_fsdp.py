@@ -449,6 +449,7 @@ def run_trainer(strategy: str = "fsdp", world_size: int = WORLD, **options) -> d
         return train(cfg)
 
 
+# %%
 t0 = time.perf_counter()
 runs = {"single": run_trainer("single", world_size=1)}
 for s in STRATEGY_NAMES:
@@ -887,6 +888,7 @@ def checkpoint_worker(path: str, resume: bool) -> dict:
     return out
 
 
+# %%
 t0 = time.perf_counter()
 with tempfile.TemporaryDirectory() as ck_dir:
     ck_path = os.path.join(ck_dir, "full.pt")
