@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"", "dist", "launch", "fake_gpu", "faults", "flight_recorder"}),
     ("recording", {"trace", "memory"}),
     ("communication", {"comm"}),
-    ("leaves", {"models", "data", "estimate", "planner", "layout", "step_time"}),
+    ("leaves", {"models", "data", "estimate", "planner", "parallel_bytes", "layout", "step_time"}),
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
                     "context_parallel", "expert_parallel"}),
     ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",

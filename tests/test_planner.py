@@ -83,3 +83,11 @@ def test_pipeline_bytes_are_the_formula_ours_and_torchs(tmp_path, kw):
     for rank, moved in enumerate(m["bytes_per_step"]):
         holds = [s for s in range(stages) if s % 2 == rank]
         assert moved == pp_comm_bytes(MODEL_PRESETS["gpt-tiny"], 8 * 32, stages, holds), (kw, rank, moved)
+
+
+def test_the_worked_examples_hold():
+    """The docstrings' examples (the per-dimension formulas and a plan) are what the code returns."""
+    import doctest
+
+    from minifsdp import parallel_bytes
+    assert doctest.testmod(parallel_bytes).failed == 0 and doctest.testmod(planner).failed == 0

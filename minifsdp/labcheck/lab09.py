@@ -21,7 +21,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any, Callable
 
-from .. import estimate, mesh as mesh_module, planner, strategies as strategies_module
+from .. import estimate, mesh as mesh_module, parallel_bytes, planner, strategies as strategies_module
 from ..estimate import format_bytes
 from ..mesh import DeviceMesh
 from ..pipeline import parallel as pipeline_parallel
@@ -37,7 +37,7 @@ _MESH_LIBRARY = (DeviceMesh, *(v for v in vars(mesh_module).values()
                                if callable(v) and getattr(v, "__module__", "") == mesh_module.__name__))
 _TWO_D_LIBRARY = (strategies_module._tensor_parallel, strategies_module._three_d, strategies_module._pipeline,
                   pipeline_parallel.PipelineParallel, pipeline_parallel.pipeline_groups)
-_COST_LIBRARY = tuple(v for m in (planner, estimate) for v in vars(m).values()
+_COST_LIBRARY = tuple(v for m in (planner, parallel_bytes, estimate) for v in vars(m).values()
                       if callable(v) and getattr(v, "__module__", "") == m.__name__
                       and v is not estimate.format_bytes)
 
