@@ -89,6 +89,8 @@ def use_ipc(km: Any) -> Any:
     gloo ranks opening ports of their own) can take one. That is the likely cause of a reply that never
     came while the kernel sat idle (once in a serial CI run, more often with two workers: the client waited
     out the cell timeout). Socket files in a folder of this process's own cannot be taken by anyone else."""
+    if os.name == "nt":  # ZeroMQ has no ipc:// transport on Windows: TCP it is
+        return km
     if not _IPC_DIR:
         _IPC_DIR.append(tempfile.mkdtemp(prefix="kernels-"))
         atexit.register(shutil.rmtree, _IPC_DIR[0], True)
