@@ -106,9 +106,7 @@ def _worker_main(rank: int, world_size: int, payload: bytes, run_dir: str,
                  backend: str, timeout_s: float, threads: int, parent_pid: int,
                  results: "mp.Queue", pretend_gpu: bool = False, check: bool = False,
                  env: dict[str, str | None] | None = None) -> None:
-    # What the forkserver imported (torch, minifsdp) lives as long as the rank: keep it out of the cyclic
-    # garbage collector's scans (each full scan walked every one of those objects; O(1) to do, see gc.freeze)
-    gc.freeze()
+    gc.freeze()  # the forkserver's imports live as long as the rank: out of every GC scan (O(1), see gc.freeze)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     for name, value in (env or {}).items():
         if value is None:
@@ -186,6 +184,11 @@ FORKSERVER_PRELOAD = (__name__, "torch._dynamo", "torch.distributed.checkpoint",
                       *(f"minifsdp.{package}" for package in ("ddp", "zero", "fsdp", "mixed_precision", "checkpoint",
                                                               "pipeline", "tensor_parallel", "context_parallel",
                                                               "expert_parallel")))
+
+
+def default_threads(world_size: int) -> int:
+    """Threads per rank when ``launch`` is not told: the machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _mp_context() -> Any:
@@ -271,7 +274,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     pretend_gpu = backend == "nccl" and fake_gpu.enabled() and not torch.cuda.is_available()
     if pretend_gpu:
         backend = "gloo"
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_rank or default_threads(world_size)
     try:
         payload = _pickle_by_value(fn, args, kwargs)
     except Exception as exc:

@@ -194,8 +194,6 @@ assert helper(3) + 3 == 9
 def test_blank_lab_skips_only_cells_no_check_needs(tmp_path: Path) -> None:
     """The blank lab leaves out demos that no exercise or check reads (they run in the solution's run); a demo
     whose name a check reads stays, so a reference implementation there is still caught."""
-    import nbformat
-
     build(tmp_path, {"07_demo.py": REFERENCE_IN_A_DEMO})
     solution = tmp_path / "solutions" / "07_demo.ipynb"
     nb = nbformat.read(solution, as_version=4)
@@ -293,8 +291,8 @@ def test_solution_on_pretend_gpus(path: Path, gpus: str, request: pytest.Fixture
     runs the exercises' 1- and 2-rank launches on pretend GPUs -- and it costs a third of the suite's time."""
     if gpus == "1" and os.environ.get("MINIFSDP_NB_GPU_COUNTS") != "1":
         pytest.skip("the 1-GPU run of every solution is opt-in: MINIFSDP_NB_GPU_COUNTS=1 (make test-gpu-counts)")
-    nbval_runs_it = any(item.path == path for item in request.session.items)  # make test: tests/ and solutions/
-    if gpus == "2" and nbval_runs_it and "NBVAL_SKIP" not in path.read_text():
+    if gpus == "2" and any(item.path == path for item in request.session.items) \
+            and "NBVAL_SKIP" not in path.read_text():
         pytest.skip("nbval runs every cell of this notebook in this session, as a 2-GPU VM (conftest.py)")
     try:
         runner.run_solution(path, ROOT, env={"MINIFSDP_FAKE_GPU": gpus}, recheck_marked=False)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from minifsdp import LaunchError, launch
+from minifsdp.launch import default_threads
 from minifsdp.records import TrainConfig
 from minifsdp.save_resume import LATEST, check_resume, resolve
 from minifsdp.strategies import STRATEGIES
@@ -153,7 +154,7 @@ def test_a_run_killed_during_save_resumes_from_the_previous_checkpoint(runs, tmp
         train.validate(dataclasses.replace(cfg, resume=str(half)))
     train.validate(cfg)
     # the threads the uninterrupted run had (one of 2 ranks): bit-exact needs the same reduction order
-    resumed = launch(train.run_rank, 1, cfg, threads_per_rank=max(1, (os.cpu_count() or 1) // 2), timeout=120)[0]
+    resumed = launch(train.run_rank, 1, cfg, threads_per_rank=default_threads(2), timeout=120)[0]
     assert resumed["first_step"] == 1 and resumed["losses"] == results["single"][0]["losses"][1:]  # steps 1-3
 
 
