@@ -53,6 +53,7 @@ one ``train()``) and ``estimate.py`` (the expected bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -60,14 +61,15 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from . import calibrate, estimate, models
-from .memory import ACTIVATIONS, MemoryTracker
+from . import calibrate, estimate, phases
+from .bench_report import activation_rows, activation_table, phase_rows, table
 from .records import TrainConfig, apply_checkpointing
-from .train import STRATEGIES, train, validate
+from .launch import launch
+from .train import STRATEGIES, run_rank, train, validate, write_outputs
 
 PRESETS: dict[str, tuple[str, ...]] = {
     # ZeRO-1/2/3 and each sharding strategy beside torch's own
@@ -98,6 +100,13 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "context": ("cp@zigzag:single", "cp@naive:single"),
     # expert parallel (ep = world size, dropless all-to-all) against the single-process MoE
     "experts": ("ep:single",),
+    # one pair per technique (README's overview table: run with --malloc both --compute --phases)
+    "overview": ("ddp:torch-ddp", "zero1:torch-zero1", "zero2:torch-fsdp@SHARD_GRAD_OP",
+                 "fsdp@FULL_SHARD:torch-fsdp@FULL_SHARD", "fsdp@SHARD_GRAD_OP:torch-fsdp@SHARD_GRAD_OP",
+                 "fsdp@HYBRID_SHARD:torch-fsdp@HYBRID_SHARD", "fsdp%bf16:torch-fsdp%bf16", "fsdp#full:torch-fsdp#full",
+                 "fsdp2:torch-fsdp2", "pp@gpipe:torch-pp@gpipe", "pp@1f1b:torch-pp@1f1b",
+                 "pp@interleaved:torch-pp@interleaved", "pp@zero-bubble:torch-pp@zero-bubble", "tp:torch-tp",
+                 "fsdp+tp:torch-fsdp+tp"),
 }
 # A preset's model when --model is not given: tensor parallel at 4 ranks needs heads divisible by 4
 # (gpt-small has 6). On a CPU without AVX512-BF16 bf16 is emulated and slow: run --preset precision
@@ -117,12 +126,25 @@ class BenchConfig:
     batch_size: int = 8
     out: str = "runs/bench"
     memory: bool = True
-    pin_malloc: bool = False
+    pin_malloc: bool = False  # the same as malloc="pinned"
     calibration: str | None = None  # a calibrate JSON: predicted step times beside the measured
+    malloc: str = "default"  # default | pinned (PINNED_MALLOC for both sides) | both (each run in both)
+    phases: bool = False     # where the time goes, page faults, allocations by size class (phases.py)
+    compute: bool = False    # data-parallel pairs: also the compute-only floor (COMPUTE)
+
+    def malloc_modes(self) -> tuple[bool, ...]:
+        """Pinned or not, for each timing run: (False,), (True,) or (False, True)."""
+        mode = "pinned" if self.pin_malloc else self.malloc
+        if mode not in ("default", "pinned", "both"):
+            raise ValueError(f"unknown --malloc {mode!r}; choose default, pinned or both")
+        return {"default": (False,), "pinned": (True,), "both": (False, True)}[mode]
 
 
 # --pin-malloc: glibc's mmap threshold (no dynamic raising) and trim threshold, inherited by every worker
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+# --compute: each rank trains its share of the batch alone (strategy single on every rank, no gradient
+# sync): the per-rank work of data parallel with no collectives, the floor its step can approach.
+COMPUTE = "compute"
 
 PRECISION_SUFFIXES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp16": ("fp16", False),
                       "autocast": ("fp32", True)}
@@ -191,14 +213,36 @@ def parse_pair(pair: str) -> tuple[Side, Side]:
 
 def _config(cfg: BenchConfig, side: Side | str, world_size: int, track_memory: bool, steps: int,
             out: str) -> TrainConfig:
-    side = side if isinstance(side, Side) else Side.parse(side)
-    return side.train_config(cfg.model, world_size, cfg.batch_size, steps=steps, quiet=True, out=out,
+    """The trainer's config for one run of ``side`` (``COMPUTE``: single, with ``world_size`` ranks to launch)."""
+    parsed = Side.parse("single" if side == COMPUTE else side) if not isinstance(side, Side) else side
+    tc = parsed.train_config(cfg.model, world_size, cfg.batch_size, steps=steps, quiet=True, out=out,
                              track_memory=track_memory, write_plots=False)
+    return dataclasses.replace(tc, world_size=world_size) if side == COMPUTE else tc
 
 
-def _run(cfg: BenchConfig, side: Side, world_size: int, track_memory: bool, steps: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return train(_config(cfg, side, world_size, track_memory, steps, tmp))
+@contextlib.contextmanager
+def _malloc(pinned: bool) -> Iterator[None]:
+    """glibc reads its thresholds when a process starts: set (or clear) them for the workers of one run."""
+    before = {k: os.environ.get(k) for k in PINNED_MALLOC}
+    os.environ.update(PINNED_MALLOC) if pinned else [os.environ.pop(k, None) for k in PINNED_MALLOC]
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _run(cfg: BenchConfig, side: Side | str, world_size: int, track_memory: bool, steps: int,
+         pinned: bool = False) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, _malloc(pinned):
+        tc = _config(cfg, side, world_size, track_memory, steps, tmp)
+        if side == COMPUTE:  # single on every rank: its data slice (rank, world) and nothing else
+            return write_outputs(tc, launch(run_rank, world_size, tc, timeout=tc.timeout))
+        return train(tc)
+
+
+def _data_parallel(*sides: Side) -> bool:
+    return all(s.record.degrees == ("dp",) for s in sides)
 
 
 def _median_step(metrics: dict[str, Any], warmup: int) -> float:
@@ -233,28 +277,50 @@ def expected_bytes(model_name: str, side: str | Side, world_size: int, batch_siz
 # --------------------------------------------------------------------------
 
 def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size: int) -> dict[str, Any]:
-    parsed = {ours_side.text: ours_side, theirs_side.text: theirs_side}
+    parsed: dict[str, Side | str] = {ours_side.text: ours_side, theirs_side.text: theirs_side}
     ours, theirs = ours_side.text, theirs_side.text
-    times: dict[str, list[float]] = {ours: [], theirs: []}
+    if cfg.compute and _data_parallel(ours_side, theirs_side):
+        parsed[COMPUTE] = COMPUTE
+    modes = cfg.malloc_modes()
+    times: dict[bool, dict[str, list[float]]] = {m: {k: [] for k in parsed} for m in modes}
+    faults: dict[bool, dict[str, list[float]]] = {m: {k: [] for k in parsed} for m in modes}
+    split: dict[str, list[dict[str, float]]] = {k: [] for k in parsed}  # phases, first malloc mode's runs
     moved: dict[str, float] = {}
     losses: dict[str, list[float]] = {}
     for rep in range(cfg.repeats):
-        order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
-        for side in order:
-            m = _run(cfg, parsed[side], world_size, track_memory=False, steps=cfg.steps)
-            times[side].append(_median_step(m, cfg.warmup))
-            # bytes: rank 0 of the first run (every run moves the same); torch's are counted too
-            moved.setdefault(side, sum(m["bytes_per_step"][0].values()))
-            losses.setdefault(side, m["losses"])
-            print(f"  world {world_size}  repeat {rep + 1}/{cfg.repeats}  {side:<26} "
-                  f"{times[side][-1] * 1e3:8.1f} ms/step", flush=True)
+        order = list(parsed) if rep % 2 == 0 else list(parsed)[::-1]
+        for pinned in modes:
+            for side in order:
+                m = _run(cfg, parsed[side], world_size, track_memory=False, steps=cfg.steps, pinned=pinned)
+                times[pinned][side].append(_median_step(m, cfg.warmup))
+                f = phases.median_faults(m["minor_faults"], cfg.warmup)
+                faults[pinned][side] += [] if f is None else [f]
+                if pinned == modes[0] and m["phases"][0]:
+                    split[side].append(phases.median_phases(m["phases"], cfg.warmup))
+                # bytes: rank 0 of the first run (every run moves the same); torch's are counted too
+                moved.setdefault(side, sum(m["bytes_per_step"][0].values()))
+                losses.setdefault(side, m["losses"])
+                print(f"  world {world_size}  repeat {rep + 1}/{cfg.repeats}  {side:<26} "
+                      f"{times[pinned][side][-1] * 1e3:8.1f} ms/step{'  (malloc pinned)' if pinned else ''}", flush=True)
+    median = statistics.median
     row: dict[str, Any] = {"world_size": world_size, "ours": ours, "theirs": theirs,
-                           "step_s": {k: statistics.median(v) for k, v in times.items()},
-                           "step_s_all": times, "bytes_per_step": moved, "losses": losses}
+                           "step_s": {k: median(v) for k, v in times[modes[0]].items()},
+                           "step_s_all": {k: times[modes[0]][k] for k in (ours, theirs)},
+                           "bytes_per_step": {k: moved[k] for k in (ours, theirs)},
+                           "losses": {k: losses[k] for k in (ours, theirs)},
+                           "faults_per_step": {k: median(v) if v else None for k, v in faults[modes[0]].items()}}
     row["step_ratio"] = row["step_s"][ours] / row["step_s"][theirs]
+    if len(modes) == 2:  # --malloc both: the same pair with glibc's thresholds pinned
+        row["step_s_pinned"] = {k: median(v) for k, v in times[True].items()}
+        row["faults_per_step_pinned"] = {k: median(v) if v else None for k, v in faults[True].items()}
+        row["step_ratio_pinned"] = row["step_s_pinned"][ours] / row["step_s_pinned"][theirs]
+    if COMPUTE in parsed:  # how far above the compute-only floor each side's step is
+        row["over_compute"] = {k: row["step_s"][k] / row["step_s"][COMPUTE] for k in (ours, theirs)}
+    if cfg.phases:
+        row["phases"] = {k: {p: median(r[p] for r in v) for p in phases.PHASES} for k, v in split.items() if v}
     if cfg.calibration:  # torch's side moves and computes what ours does: the same model, its own record
         row["predicted_s"] = {k: calibrate.predicted_seconds(s.train_config(cfg.model, world_size, cfg.batch_size),
-                                                             cfg.calibration) for k, s in parsed.items()}
+                                                             cfg.calibration) for k, s in parsed.items() if k != COMPUTE}
     row["same_losses"] = all(math.isclose(a, b, rel_tol=ours_side.loss_rtol)
                              for a, b in zip(losses[ours], losses[theirs]))
     expected = expected_bytes(cfg.model, ours_side, world_size, cfg.batch_size)
@@ -263,88 +329,23 @@ def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size:
     row["bytes_paper"], row["bytes_paper_key"] = expected["paper"], expected["paper_key"]
     row["bytes_match"] = None if expected["total"] is None or not expected.get("exact", True) else \
         moved[ours] == expected["total"]  # ep's all-to-alls: the uniform routing's, exact only on average
-    if cfg.memory:
-        peaks = {}
+    if cfg.memory or cfg.phases:  # one tracked run per side: peak, and what its third step allocated
+        peaks, allocated = {}, {}
         for side in (ours, theirs):
-            m = _run(cfg, parsed[side], world_size, track_memory=True, steps=2)
+            m = _run(cfg, parsed[side], world_size, track_memory=True, steps=3 if cfg.phases else 2)
             peaks[side] = max(p for p in m["peak_bytes"] if p is not None)
-        row["peak_bytes"] = peaks
+            allocated[side] = m["allocated_by_class"][0][-1]  # rank 0, the last step
+        row["peak_bytes"], row["allocated_per_step"] = peaks, allocated
         row["peak_ratio"] = peaks[ours] / peaks[theirs]
     return row
-
-
-# --------------------------------------------------------------------------
-# Activations: estimate's prediction beside the tracker, per --checkpoint mode
-# --------------------------------------------------------------------------
-
-def activation_rows(model_name: str, batch: int) -> list[dict[str, Any]]:
-    """Bytes autograd holds after one forward of ``batch`` sequences (one rank's share), for each
-    ``--checkpoint`` mode: ``estimate.gpt_checkpoint_activation_bytes`` and the memory tracker's
-    ``activations`` after the forward, on one process (sharding changes parameters, not activations).
-    The tracker also sees the 4-byte loss itself, which the estimate (what backward saves) leaves out."""
-    config = models.MODEL_PRESETS[model_name]
-    g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g) for _ in range(2))
-    rows = []
-    for mode in ("none", "full", "selective"):
-        model = models.build_model(model_name, seed=0)
-        if mode != "none":  # as train --checkpoint wraps minifsdp's sides
-            apply_checkpointing(model, mode)
-        tracker = MemoryTracker()
-        tracker.track_model(model)
-        with tracker:
-            loss = models.lm_loss(model(x.clone()), y.clone())  # ids made inside count, as in training
-            measured = tracker.snapshot()[ACTIVATIONS]
-            loss.backward()
-        tracker.close()
-        predicted = estimate.gpt_checkpoint_activation_bytes(config, batch, config.block_size, checkpoint=mode)
-        rows.append({"checkpoint": mode, "batch": batch, "predicted": predicted["total"], "measured": measured})
-    return rows
-
-
-def activation_table(rows: list[dict[str, Any]]) -> str:
-    mib = 2 ** 20
-    lines = ["| sequences per rank | --checkpoint | predicted MiB | measured MiB | measured − predicted (B) |",
-             "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['checkpoint']} | {r['predicted'] / mib:.3f} | {r['measured'] / mib:.3f} | "
-                     f"{r['measured'] - r['predicted']:+d} |")
-    return "\n".join(lines)
-
-
-_PAPER_LABEL = {k: f"{v}·4Ψ" for k, v in estimate.ZERO_PAPER_PSI.items()}  # Ψ fp32 parameters
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The README table: one line per pair and world size."""
-    mib = 2 ** 20
-    head = ("| world | minifsdp | reference | step ms (ours / ref) | predicted ms (ours / ref) | step ratio | peak MiB"
-            " (ours / ref) | peak ratio | MiB moved per step (ours / ref / expected) | paper | ours = expected "
-            "| same losses |")
-    lines = [head, "|" + "---|" * 12]
-    for r in rows:
-        ours, theirs = r["ours"], r["theirs"]
-        s, peak, moved, p = r["step_s"], r.get("peak_bytes"), r["bytes_per_step"], r.get("predicted_s")
-        peak_txt = f"{peak[ours] / mib:.1f} / {peak[theirs] / mib:.1f}" if peak else "-"
-        peak_ratio = f"{r['peak_ratio']:.3f}" if peak else "-"
-        expected = "-" if r["bytes_expected"] is None else f"{r['bytes_expected'] / mib:.3f}"
-        moved_txt = f"{moved[ours] / mib:.3f} / {moved[theirs] / mib:.3f} / {expected}"
-        paper = (f"{_PAPER_LABEL[r['bytes_paper_key']]} = {r['bytes_paper'] / mib:.3f}"
-                 if r["bytes_paper"] is not None else "-")
-        predicted = " / ".join("-" if p[k] is None else f"{p[k] * 1e3:.0f}" for k in (ours, theirs)) if p else "-"
-        lines.append(f"| {r['world_size']} | {ours} | {theirs} | {s[ours] * 1e3:.1f} / {s[theirs] * 1e3:.1f} | "
-                     f"{predicted} | {r['step_ratio']:.3f} | {peak_txt} | {peak_ratio} | {moved_txt} | {paper} | "
-                     f"{({True: 'yes', False: 'NO'}).get(r['bytes_match'], '-')} | "
-                     f"{'yes' if r['same_losses'] else 'NO'} |")
-    return "\n".join(lines)
 
 
 def run(cfg: BenchConfig) -> list[dict[str, Any]]:
     pairs = [parse_pair(p) for p in cfg.pairs]  # every error before the first run
     os.makedirs(cfg.out, exist_ok=True)
-    if cfg.pin_malloc:  # read by glibc when each worker process starts
-        os.environ.update(PINNED_MALLOC)
-        print("glibc malloc pinned for every worker: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()))
+    if True in cfg.malloc_modes():  # read by glibc when each worker process starts
+        print(("each run also " if len(cfg.malloc_modes()) == 2 else "") + "with glibc malloc pinned for every "
+              "worker: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()))
     for side in {side for pair in pairs for side in pair}:
         for world_size in cfg.world_sizes:
             validate(_config(cfg, side, world_size, False, cfg.steps, cfg.out))
@@ -361,6 +362,9 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
     with open(os.path.join(cfg.out, "bench.json"), "w") as f:
         json.dump({"config": dataclasses.asdict(cfg), "rows": rows, "activations": activations}, f, indent=1)
     print(table(rows))
+    if cfg.phases:
+        print("\nWhere the time goes (ms per step; phases.py), page faults and allocations per step:\n"
+              + phases.table(phase_rows(rows)))
     if activations:
         print("\nActivations after one rank's forward (" + cfg.model + "):\n" + activation_table(activations))
     print(f"\nwrote {cfg.out}/bench.json")
@@ -382,11 +386,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibration", default=calibrate.DEFAULT_PATH, help="calibrate's JSON (measured first if missing)")
     p.add_argument("--pin-malloc", action="store_true",
                    help="fix glibc's malloc thresholds for both sides' workers (see the module docstring)")
+    p.add_argument("--malloc", choices=("default", "pinned", "both"), default="default",
+                   help="both: every timing run unpinned and pinned (the table's pinned ratio)")
+    p.add_argument("--phases", action="store_true",
+                   help="forward/backward/comm wait/optimizer/rest, page faults and allocations per step")
+    p.add_argument("--compute", action="store_true",
+                   help="data-parallel pairs: also the compute-only floor (each rank its share, no collectives)")
     a = p.parse_args(argv)
     pairs = (*PRESETS.get(a.preset, ()), *(a.pairs or ())) or ("ddp:torch-ddp",)
     cfg = BenchConfig(model=a.model or PRESET_MODELS.get(a.preset, "gpt-small"), world_sizes=tuple(a.world_sizes), pairs=pairs, steps=a.steps,
                       warmup=a.warmup, repeats=a.repeats, batch_size=a.batch_size, out=a.out,
-                      memory=not a.no_memory, pin_malloc=a.pin_malloc, calibration=a.calibration)
+                      memory=not a.no_memory, pin_malloc=a.pin_malloc, calibration=a.calibration,
+                      malloc=a.malloc, phases=a.phases, compute=a.compute)
     try:
         if not os.path.exists(a.calibration):
             calibrate.calibrate((1, *a.world_sizes)).save(a.calibration)

@@ -175,6 +175,9 @@ class MemoryTracker:
         self._grad_hooks: dict[int, Any] = {}     # id(param) -> hook handle
         self._params: dict[int, weakref.ref] = {}  # id(param) -> param, for snapshot()
         self._lock = threading.RLock()  # CUDA backward runs hooks on another thread
+        # (bytes, category) of every block allocated since the last take_allocations(): a new
+        # storage, or a storage grown by resize_ (FSDP's free-and-refill). phases.py bins them.
+        self.allocations: list[tuple[int, str]] = []
 
     def __enter__(self) -> "MemoryTracker":
         global _orig_resize
@@ -291,6 +294,13 @@ class MemoryTracker:
             self._sample(label)
         return self.live()
 
+    def take_allocations(self) -> list[tuple[int, str]]:
+        """The (bytes, category) blocks allocated since the last call (step by step: what a step asks
+        the allocator for, whatever it frees again)."""
+        with self._lock:
+            taken, self.allocations = self.allocations, []
+        return taken
+
     def report(self) -> dict[str, Any]:
         """Everything as plain, picklable data (a worker returns this)."""
         return dict(live=self.live(), device_bytes=self.device_bytes(), peak_total=self.peak_total,
@@ -341,6 +351,8 @@ class MemoryTracker:
         n = st.nbytes()
         if n and rec.device.startswith("cuda"):
             n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+        if n > rec.nbytes and not relabel:  # register() books what exists; ops and resize_ allocate
+            self.allocations.append((n - rec.nbytes, rec.category))
         if n != rec.nbytes:
             delta, rec.nbytes = n - rec.nbytes, n
             self._account(rec.device, rec.category, delta)

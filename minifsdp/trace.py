@@ -42,6 +42,11 @@ from typing import Any, Iterator
 
 import torch
 
+try:
+    import resource as _resource
+except ImportError:  # Windows: no getrusage
+    _resource = None
+
 COMPUTE = "compute"
 COMM = "comm"
 
@@ -55,6 +60,8 @@ class Span:
     start: float       # perf_counter seconds
     end: float
     args: dict[str, Any] = field(default_factory=dict)  # e.g. {"bytes": 4096, "group_size": 2}
+    cpu: float | None = None  # seconds the recording thread ran on a CPU inside it (tracer.span)
+    faults: int | None = None  # the process's minor page faults inside it (tracer.span; phases.py)
 
     @property
     def duration(self) -> float:
@@ -104,6 +111,14 @@ class Trace:
         return totals
 
 
+def minor_faults() -> int | None:
+    """Minor page faults of this process so far, all threads (None where getrusage does not exist):
+    one per 4 KiB page touched for the first time since it was mapped."""
+    if _resource is None:
+        return None
+    return _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt
+
+
 # --------------------------------------------------------------------------
 # The active tracer: a per-process stack, so nested `with tracer:` works.
 # --------------------------------------------------------------------------
@@ -144,17 +159,21 @@ class Tracer:
     @contextmanager
     def span(self, name: str, kind: str = COMPUTE, **args: Any) -> Iterator[Span]:
         """Time the body as a span; also visible in torch.profiler traces."""
+        # thread_time: this thread's CPU seconds, so wall - cpu is the time it sat blocked (phases.py)
         record = Span(name=name, kind=kind, start=time.perf_counter(), end=0.0, args=args)
+        cpu, faults = time.thread_time(), minor_faults()
         with torch.profiler.record_function(name):
             try:
                 yield record
             finally:
-                record.end = time.perf_counter()
+                record.end, record.cpu = time.perf_counter(), time.thread_time() - cpu
+                record.faults = None if faults is None else minor_faults() - faults
                 self.trace.spans.append(record)
 
-    def add_span(self, name: str, kind: str, start: float, end: float, **args: Any) -> Span:
+    def add_span(self, name: str, kind: str, start: float, end: float, *, cpu: float | None = None,
+                 **args: Any) -> Span:
         """Record a span whose times were measured elsewhere (e.g. async comm)."""
-        record = Span(name=name, kind=kind, start=start, end=end, args=args)
+        record = Span(name=name, kind=kind, start=start, end=end, args=args, cpu=cpu)
         self.trace.spans.append(record)
         return record
 

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from . import calibrate, data, dist, faults, models, save_resume, torch_reference, trace
+from . import calibrate, data, dist, faults, models, phases, save_resume, torch_reference, trace
 from .launch import launch
 from .layout import MULTI_STAGE_SCHEDULES
 from .mixed_precision import PRECISIONS
@@ -161,7 +161,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     seq_len = cfg.seq_len or models.MODEL_PRESETS[cfg.model].block_size
     tracer = trace.Tracer(rank=rank, strategy=cfg.strategy)
     tracker = _memory_tracker(cfg, device)
-    losses, step_times = [], []
+    losses, step_times, page_faults, allocations = [], [], [], []  # the last two: phases.py
     # torch's strategies do not go through minifsdp.comm: count their collectives here (DTensor's too)
     counter = (torch_reference.count_collectives(pipelining="pp" in record.degrees) if record.is_torch
                else nullcontext())
@@ -187,7 +187,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         first = checkpointer.resume()  # --resume: the step to run next (its data position), else 0
         for step in range(first, cfg.steps):
             faults.inject(step)  # MINIFSDP_FAULT=RANK:MODE:STEP fails a rank on purpose (lab 12's gallery)
-            start = time.perf_counter()
+            start, faults_before = time.perf_counter(), phases.minor_faults()
             with trace.span("step", step=step):
                 local = torch.zeros((), device=device)
                 for m in range(cfg.grad_accum):
@@ -197,7 +197,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                     last = m == cfg.grad_accum - 1
                     sync = built.micro_batch(last)  # no gradient sync before the last micro-batch
                     if built.train_step is not None:  # a pipeline runs forward and backward itself
-                        loss = built.train_step(x, y) / cfg.grad_accum
+                        with trace.span("forward_backward", step=step, micro=m):
+                            loss = built.train_step(x, y) / cfg.grad_accum
                     else:
                         with sync:
                             with (trace.span("forward", step=step, micro=m),
@@ -214,14 +215,17 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
+            page_faults.append(None if faults_before is None else phases.minor_faults() - faults_before)
             losses.append(_global_mean(local))
             if tracker is not None:
                 tracker.snapshot(f"step {step}")
+                allocations.append(tracker.take_allocations())  # what this step asked the allocator for
             if rank == 0 and not cfg.quiet:
                 _progress(step, cfg.steps, losses[-1], step_times[-1])
             checkpointer.maybe_save(step + 1)  # --save-every: after the step, outside its span
     report = tracker.report() if tracker is not None else {}
-    return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace,
+    return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace, "minor_faults": page_faults,
+            "allocations": allocations,
             "memory": report, "n_params": n_params, "routing": routing.totals(), "first_step": first}
 
 
@@ -297,6 +301,10 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         "losses": results[0]["losses"], "first_step": results[0]["first_step"],  # --resume: losses from there
         "step_time_s": [r["step_time_s"] for r in results],
         "median_step_time_s": [statistics.median(r["step_time_s"]) for r in results],
+        "minor_faults": [r["minor_faults"] for r in results],  # per rank, per step (trace.minor_faults)
+        "phases": [phases.step_phases(t) for t in traces],  # per rank, per step: seconds by phase
+        "allocated_by_class": [[phases.size_classes(a) for a in r["allocations"]] for r in results],
+        "large_allocations": [[[b for b in a if b[0] >= phases.LARGE] for a in r["allocations"]] for r in results],
         "peak_bytes": [r["memory"].get("peak_total") for r in results],
         "peak_by_category": [r["memory"].get("peak_by_category") for r in results],
         "bytes_per_step": [{op: b / cfg.steps for op, b in t.bytes_by_op(within="step").items()} for t in traces],

@@ -178,6 +178,7 @@ class BucketedDataParallel(nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
+        self._buffers_flat: dict[torch.device, torch.Tensor] = {}  # forward's buffer sync packs into it
         self._sync_module_states()
         self._build_buckets(bucket_cap_mb)
         for i, p in enumerate(self._params):
@@ -218,7 +219,8 @@ class BucketedDataParallel(nn.Module):
     # -- forward ---------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.forward_sync_buffers and self._module_buffers and self._world > 1:
-            broadcast_coalesced(self._module_buffers, dist.global_rank(self.process_group, 0), self.process_group)
+            broadcast_coalesced(self._module_buffers, dist.global_rank(self.process_group, 0), self.process_group,
+                                reuse=self._buffers_flat)  # every step: one packed buffer, made once
         # torch DDP decides here, at forward time, whether the coming backward syncs (no_sync pitfall).
         self._armed = torch.is_grad_enabled() and self.require_backward_grad_sync
         return self.module(*inputs, **kwargs)

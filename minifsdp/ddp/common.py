@@ -29,7 +29,8 @@ __all__ = ["broadcast_coalesced"]
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: ProcessGroup | None = None) -> None:
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: ProcessGroup | None = None,
+                        reuse: dict[torch.device, torch.Tensor] | None = None) -> None:
     """Make every rank's ``tensors`` equal to rank ``src``'s with ONE broadcast per device.
 
     Tensors of any dtype are viewed as raw bytes and packed into one uint8
@@ -37,13 +38,22 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: Proces
     message instead of many small ones.
 
     >>> broadcast_coalesced([model.weight, model.bias])   # rank 1 now holds rank 0's values
+
+    ``reuse``: a dict that keeps each device's packed buffer for the next call, for a caller that syncs the
+    same tensors every step (DDP's buffers before each forward): packed in place, not allocated again.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
-    for group_tensors in by_device.values():
+    for device, group_tensors in by_device.items():
         as_bytes = [t.detach().reshape(-1).view(torch.uint8) for t in group_tensors]
-        flat = torch.cat(as_bytes)
+        flat = (reuse or {}).get(device)
+        if flat is not None and flat.numel() == sum(b.numel() for b in as_bytes):
+            torch.cat(as_bytes, out=flat)
+        else:
+            flat = torch.cat(as_bytes)
+            if reuse is not None:
+                reuse[device] = flat
         comm.broadcast(flat, src=src, group=group)
         for t, chunk in zip(group_tensors, flat.split([b.numel() for b in as_bytes])):
             t.copy_(chunk.view(t.dtype).view_as(t))

@@ -160,6 +160,8 @@ class PipelineStage:
         self.input_grads: dict[int, torch.Tensor] = {}  # micro-batch -> gradient of its input, to send
         self.output_chunks: dict[int, torch.Tensor] = {}
         self._recv_meta: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._free: dict[int, list[torch.Tensor]] = {_ACT: [], _GRAD: []}  # receive buffers to reuse (_recv_buffer)
+        self._lent: dict[tuple[int, int], torch.Tensor] = {}  # (_ACT or _GRAD, micro-batch) -> its buffer
         self._meta_sent = False
         self._split_weights = False
         self._capture: list[tuple[torch.Tensor, list[nn.Parameter]]] | None = None
@@ -188,7 +190,7 @@ class PipelineStage:
         """Run micro-batch ``mb`` through the submodule; keep what backward needs."""
         saved = _Saved()
         if not self.is_first:
-            x = self.inbox.pop(mb)
+            x = self.inbox.pop(mb).detach()  # a new leaf: a reused receive buffer never holds a .grad
             if x.is_floating_point():
                 x.requires_grad_(True)
             saved.input, args, kwargs = x, (x,), {}
@@ -238,6 +240,8 @@ class PipelineStage:
         if last_backward and self._ddp is not None:
             _prepare_for_backward(self._ddp)
         torch.autograd.backward(root, grad)
+        self._give_back(_ACT, mb)
+        self._give_back(_GRAD, mb)
         return None if saved.input is None else saved.input.grad
 
     def backward_input(self, mb: int) -> torch.Tensor | None:
@@ -285,6 +289,10 @@ class PipelineStage:
         if sync:
             _prepare_for_backward(self._ddp)
             torch.autograd.backward(params, grads)
+        # only now: W's layers may have saved views of the input, and the last layer's output gradient
+        # that I handed over can be the received gradient itself
+        self._give_back(_ACT, mb)
+        self._give_back(_GRAD, mb)
 
     def enable_weight_split(self) -> None:
         """Capture each parameterised layer's output in forward (for I/W); needs no checkpointing."""
@@ -349,8 +357,7 @@ class PipelineStage:
                                  f"expects {ex.dtype} {tuple(ex.shape)} (its input_args): make stage "
                                  f"{self.stage_index - 1}'s output match stage {self.stage_index}'s input")
             self._recv_meta = (dtype, shape)
-        dtype, shape = self._recv_meta
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._recv_buffer(_ACT, mb, *self._recv_meta)
         self.inbox[mb] = buf  # read by the forward, after the receive completed
         tag = self._tag(_ACT, self.stage_index, mb)
         return comm.irecv(buf, src, group=self.group, tag=tag) if async_op else comm.recv(buf, src, self.group, tag)
@@ -362,10 +369,29 @@ class PipelineStage:
 
     def recv_grad(self, mb: int, async_op: bool = False) -> comm.Handle | None:
         """Receive the gradient of micro-batch ``mb``'s output into ``grad_inbox[mb]`` (``async_op``: post it)."""
-        buf = torch.empty_like(self._saved[mb].output)
+        out = self._saved[mb].output
+        buf = self._recv_buffer(_GRAD, mb, out.dtype, tuple(out.shape))
         self.grad_inbox[mb] = buf
         src, tag = self.rank_of(self.stage_index + 1), self._tag(_GRAD, self.stage_index + 1, mb)
         return comm.irecv(buf, src, group=self.group, tag=tag) if async_op else comm.recv(buf, src, self.group, tag)
+
+    def _recv_buffer(self, kind: int, mb: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Micro-batch ``mb``'s receive buffer: a free one left by an earlier micro-batch or step, else a new one.
+
+        Reused, not made per receive (torch's PipelineStage also allocates its receive buffers once): a new
+        large tensor per micro-batch is a block glibc may map, and the process fault in again, every step. A
+        buffer is free again once its micro-batch's backward is done with it (``_give_back``), so no more are
+        alive at once than when each receive made its own: the peak stays where it was."""
+        free = self._free[kind]
+        i = next((i for i, b in enumerate(free) if b.dtype == dtype and tuple(b.shape) == shape), None)
+        buf = torch.empty(shape, dtype=dtype, device=self.device) if i is None else free.pop(i)
+        self._lent[(kind, mb)] = buf
+        return buf
+
+    def _give_back(self, kind: int, mb: int) -> None:
+        buf = self._lent.pop((kind, mb), None)
+        if buf is not None:
+            self._free[kind].append(buf)
 
     # ------------------------------------------------------------------ state
     def in_flight(self) -> list[int]:
@@ -373,6 +399,8 @@ class PipelineStage:
         return sorted(self._saved)
 
     def clear_runtime_states(self) -> None:
+        for kind, mb in list(self._lent):  # nothing reads them any more: back to the free lists
+            self._give_back(kind, mb)
         self._saved.clear()
         self.inbox.clear()
         self.grad_inbox.clear()

@@ -15,10 +15,11 @@ bring their own train step (``tensor_parallel.torch_tp_train_step``).
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
-from .. import dist
+from .. import dist, trace
 from ..layout import Layout
 from ..pipeline import SCHEDULE_CLASSES, PipelineParallel
 from ..records import Built, TrainConfig, adamw, apply_checkpointing, autocast, pipeline_autocast
@@ -38,8 +39,28 @@ def torch_pipeline(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> 
                                stage_cls=pipelining.PipelineStage, ddp_cls=TorchDDP,
                                schedule_cls=getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule].__name__),
                                autocast_dtype=pipeline_autocast(cfg))
+    for part in wrapped.stage_modules:  # "forward" spans, as minifsdp's executor opens them (phases.py)
+        _forward_spans(part)
     return Built(wrapped, adamw(wrapped.parameters(), cfg), train_step=wrapped.train_step,
                  data_rank=wrapped.data_parallel_rank, data_size=wrapped.data_parallel_size)
+
+
+def _forward_spans(module: torch.nn.Module) -> None:
+    """Record each forward of ``module`` as a "forward" span on the active tracer: torch's schedules run
+    forward and backward inside their own ``step``, where train.py's loop cannot open spans."""
+    started: list[tuple[float, float]] = []
+
+    def before(*_: object) -> None:
+        started.append((time.perf_counter(), time.thread_time()))
+
+    def after(*_: object) -> None:
+        start, cpu = started.pop()
+        tracer = trace.active_tracer()
+        if tracer is not None:
+            tracer.add_span("forward", trace.COMPUTE, start, time.perf_counter(), cpu=time.thread_time() - cpu)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def torch_tp(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> Built:

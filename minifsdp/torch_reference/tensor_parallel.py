@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.nn.functional as F
 
-from .. import dist, models
+from .. import dist, models, trace
 
 __all__ = ["torch_tensor_parallel_gpt", "torch_fsdp_tp_gpt", "torch_tp_train_step"]
 
@@ -80,9 +80,11 @@ def torch_tp_train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
-        with autocast():
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1))
-        loss.backward()
+        with trace.span("forward"):  # spans as train.py's loop opens them (phases.py)
+            with autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1))
+        with trace.span("backward"):
+            loss.backward()
     loss = loss.detach()
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

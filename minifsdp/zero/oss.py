@@ -160,6 +160,7 @@ class OSS(torch.optim.Optimizer):
                 mine.setdefault(k, v)
         self.defaults = {**self.optim.defaults, **self.defaults}
         self.state = self.optim.state  # the local shard; what memory trackers should see
+        self._flat_buckets: list[tuple[int, torch.Tensor | None, list[torch.Tensor]]] | None = None
 
     def partition_parameters(self) -> list[list[dict]]:
         """Per rank, the param groups it steps (FairScale's name and shape)."""
@@ -190,25 +191,46 @@ class OSS(torch.optim.Optimizer):
         """Re-assemble the model: P bytes per step, each parameter once, from its owner."""
         if self.world_size == 1:
             return
+        if self._flat_buckets is None:
+            self._flat_buckets = self._make_flat_buckets()
         in_flight = []
-        for owner in range(self.world_size):
-            src = dist.global_rank(self.group, owner)
-            for bucket in self._buckets([p for g in self.partition[owner] for p in g["params"]]):
-                half = self.broadcast_fp16 and bucket[0].is_floating_point()
-                if len(bucket) == 1 and not half:  # big parameter: in place, no copy
-                    in_flight.append((comm.broadcast(bucket[0].data, src, self.group, async_op=True), None, None))
-                    continue
-                flat = torch.cat([p.data.reshape(-1) for p in bucket])  # non-owners: overwritten below
-                flat = flat.half() if half else flat
-                in_flight.append((comm.broadcast(flat, src, self.group, async_op=True), flat, bucket))
+        for src, flat, bucket in self._flat_buckets:
+            if flat is not None or len(bucket) == 1:  # a flat bucket (its params view it) or a big parameter:
+                target = bucket[0].data if flat is None else flat  # in place, no copy
+                in_flight.append((comm.broadcast(target, src, self.group, async_op=True), None, None))
+                continue
+            flat = torch.cat([p.data.reshape(-1) for p in bucket]).half()  # broadcast_fp16: P/2 bytes
+            in_flight.append((comm.broadcast(flat, src, self.group, async_op=True), flat, bucket))
         for handle, flat, bucket in in_flight:
             handle.wait()
-            # the owner copies back too when the bucket went as fp16: every replica rounds alike
-            if bucket is not None and (self.broadcast_fp16 or self.rank != self.param_to_rank[bucket[0]]):
+            if bucket is not None:  # fp16: every replica, the owner too, keeps the rounded values
                 offset = 0
                 for p in bucket:
                     p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
+
+    def _make_flat_buckets(self) -> list[tuple[int, torch.Tensor | None, list[torch.Tensor]]]:
+        """(source rank, flat buffer or None, parameters) per broadcast, in the same order on every rank.
+
+        A bucket of small parameters gets one flat buffer, made here once, and its parameters become views
+        of it (FairScale's ``ParamBucket``): the broadcast then fills them in place, with no concatenation
+        and copy back per step and no memory beyond the parameters'. Not for broadcast_fp16, whose flat
+        holds the fp16 copy: that one is made per step.
+        """
+        out = []
+        for owner in range(self.world_size):
+            src = dist.global_rank(self.group, owner)
+            for bucket in self._buckets([p for g in self.partition[owner] for p in g["params"]]):
+                half = self.broadcast_fp16 and bucket[0].is_floating_point()
+                flat = None
+                if len(bucket) > 1 and not half:
+                    flat = torch.cat([p.data.reshape(-1) for p in bucket])
+                    offset = 0
+                    for p in bucket:
+                        p.data = flat[offset:offset + p.numel()].view_as(p)
+                        offset += p.numel()
+                out.append((src, flat, bucket))
+        return out
 
     def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Consecutive runs of parameters of at most broadcast_buffer_size bytes (same dtype/device)."""
