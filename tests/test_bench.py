@@ -127,18 +127,23 @@ def test_bench_checks_every_run_before_the_first(tmp_path):
         bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(3,), out=str(tmp_path / "batch")))
 
 
-def test_pin_malloc_sets_glibc_thresholds_before_the_first_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("malloc,pinned_runs", [("pinned", [True, True]), ("both", [False, False, True, True])])
+def test_malloc_thresholds_reach_the_runs_that_pin_them(tmp_path, monkeypatch, malloc, pinned_runs):
     for name in bench.PINNED_MALLOC:  # setenv first: monkeypatch then restores the original (unset) afterwards
         monkeypatch.setenv(name, "0")
         monkeypatch.delenv(name)
-    seen = {}
+    seen = []
 
-    def first_run(cfg, ours, theirs, world_size):  # stands in for the runs: what would the workers inherit?
-        seen.update({k: bench.os.environ.get(k) for k in bench.PINNED_MALLOC})
-        raise RuntimeError("stop after the check")
+    def fake_train(cfg):  # stands in for the runs: what would the workers inherit?
+        seen.append({k: bench.os.environ.get(k) for k in bench.PINNED_MALLOC})
+        return {"step_time_s": [[0.5, 0.5]], "bytes_per_step": [{"all_reduce": 1.0}], "losses": [1.0, 0.9]}
 
-    monkeypatch.setattr(bench, "bench_pair", first_run)
-    with pytest.raises(RuntimeError, match="stop after the check"):
-        bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), pairs=("ddp:torch-ddp",), out=str(tmp_path),
-                                    pin_malloc=True))
-    assert seen == bench.PINNED_MALLOC
+    monkeypatch.setattr(bench, "train", fake_train)
+    rows = bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), pairs=("ddp:torch-ddp",), out=str(tmp_path),
+                                       repeats=1, steps=2, warmup=1, memory=False, malloc=malloc))
+    assert [s == bench.PINNED_MALLOC for s in seen] == pinned_runs  # one run per side and mode
+    assert all(v is None for s in seen if s != bench.PINNED_MALLOC for v in s.values())  # unpinned: unset
+    assert all(bench.os.environ.get(k) is None for k in bench.PINNED_MALLOC)  # and unset again afterwards
+    assert ("step_ratio_pinned" in rows[0]) == (malloc == "both")
+    with pytest.raises(ValueError, match="unknown --malloc"):
+        bench.run(bench.BenchConfig(model="gpt-tiny", world_sizes=(2,), out=str(tmp_path), malloc="sometimes"))

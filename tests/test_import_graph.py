@@ -27,12 +27,12 @@ import minifsdp
 LAYERS: list[tuple[str, set[str]]] = [
     # "": minifsdp/__init__.py, which re-exports launch
     ("runtime", {"", "dist", "launch", "fake_gpu", "faults", "flight_recorder"}),
-    ("recording", {"trace", "memory"}),
+    ("recording", {"trace", "memory", "phases"}),
     ("communication", {"comm"}),
     ("leaves", {"models", "data", "estimate", "planner", "parallel_bytes", "layout", "step_time"}),
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
                     "context_parallel", "expert_parallel"}),
-    ("front", {"train", "bench", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
+    ("front", {"train", "bench", "bench_report", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
                "strategies", "calibrate", "save_resume"}),
 ]
 

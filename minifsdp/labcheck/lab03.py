@@ -325,6 +325,7 @@ def _zero_worker(mode: str, fns: dict[str, Callable] | None, model_name: str = M
         else:
             from ..zero import wrap_zero
             net, optimizer = wrap_zero(model, 1 if mode == "lib-zero1" else 2, lr=LR, weight_decay=WD, eps=EPS)
+            tracker.track_model(model)  # OSS moved the small parameters into its flat broadcast buckets
             owners = [optimizer.param_to_rank[p] for p in params]
             step_fn, owned = optimizer.step, optimizer.local_params
 

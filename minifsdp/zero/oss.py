@@ -116,7 +116,9 @@ class OSS(torch.optim.Optimizer):
     does, so the replicas stay identical. ``force_broadcast_object`` is
     accepted for FairScale's sake and changes nothing.
 
-    Works in a world of one without a process group (then it is just ``optim``).
+    Works in a world of one without a process group (then it is just ``optim``). With more ranks the small
+    parameters move into flat broadcast buckets when the OSS is built (``_make_flat_buckets``): give a
+    memory tracker the model after that (``tracker.track_model(model)``), or it books their old storage.
     """
 
     def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.SGD,
@@ -160,7 +162,8 @@ class OSS(torch.optim.Optimizer):
                 mine.setdefault(k, v)
         self.defaults = {**self.optim.defaults, **self.defaults}
         self.state = self.optim.state  # the local shard; what memory trackers should see
-        self._flat_buckets: list[tuple[int, torch.Tensor | None, list[torch.Tensor]]] | None = None
+        # made now, before anyone tracks the model's memory: the flats hold the parameters from here on
+        self._flat_buckets = self._make_flat_buckets() if self.world_size > 1 else []
 
     def partition_parameters(self) -> list[list[dict]]:
         """Per rank, the param groups it steps (FairScale's name and shape)."""
@@ -191,8 +194,6 @@ class OSS(torch.optim.Optimizer):
         """Re-assemble the model: P bytes per step, each parameter once, from its owner."""
         if self.world_size == 1:
             return
-        if self._flat_buckets is None:
-            self._flat_buckets = self._make_flat_buckets()
         in_flight = []
         for src, flat, bucket in self._flat_buckets:
             if flat is not None or len(bucket) == 1:  # a flat bucket (its params view it) or a big parameter:
