@@ -175,8 +175,7 @@ class MemoryTracker:
         self._grad_hooks: dict[int, Any] = {}     # id(param) -> hook handle
         self._params: dict[int, weakref.ref] = {}  # id(param) -> param, for snapshot()
         self._lock = threading.RLock()  # CUDA backward runs hooks on another thread
-        # (bytes, category) of every block allocated since the last take_allocations(): a new
-        # storage, or a storage grown by resize_ (FSDP's free-and-refill). phases.py bins them.
+        # (bytes, category) per block allocated since take_allocations(): new storages, resize_ growth
         self.allocations: list[tuple[int, str]] = []
 
     def __enter__(self) -> "MemoryTracker":
@@ -295,8 +294,7 @@ class MemoryTracker:
         return self.live()
 
     def take_allocations(self) -> list[tuple[int, str]]:
-        """The (bytes, category) blocks allocated since the last call (step by step: what a step asks
-        the allocator for, whatever it frees again)."""
+        """The (bytes, category) blocks allocated since the last call: what a step asked the allocator for."""
         with self._lock:
             taken, self.allocations = self.allocations, []
         return taken

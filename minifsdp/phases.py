@@ -26,7 +26,7 @@ The wait is what the thread did *not* run, the one measure that sees torch's C++
 as well as ours. Read it with two caveats: when ranks outnumber cores a runnable thread waits for a
 core too (4 ranks on 2 cores), and on CUDA the main thread also blocks on kernels it synchronises with.
 
-Memory traffic. ``minor_faults()`` is the process's minor page faults so far (``getrusage``): a
+Memory traffic. ``trace.minor_faults()`` is the process's minor page faults so far (``getrusage``): a
 fault per 4 KiB page the process touches for the first time, so a block the allocator maps and unmaps
 every step (glibc serves blocks above its mmap threshold that way, PLATFORM-NOTES.md) costs
 size/4 KiB faults every step, and a reused buffer none. ``size_classes`` bins what the memory tracker
@@ -42,7 +42,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from .trace import COMPUTE, Span, Trace, minor_faults
+from .trace import COMPUTE, Span, Trace
 
 PHASES = ("forward", "backward", "comm wait", "optimizer", "rest")
 # span name -> the phase its own (exclusive) CPU time counts in
@@ -52,7 +52,6 @@ KiB, MiB = 1 << 10, 1 << 20
 # glibc: blocks from its mmap threshold up are mapped (128 KiB at start, raised up to 32 MiB on 64-bit
 # as large mapped blocks are freed: DEFAULT_MMAP_THRESHOLD_MAX); smaller ones come from the heap.
 SIZE_CLASSES = ((128 * KiB, "< 128 KiB"), (32 * MiB, "128 KiB - 32 MiB"), (None, ">= 32 MiB"))
-LARGE = 128 * KiB  # train's metrics list each block from here up ("large_allocations": bytes, category)
 
 
 def size_class(nbytes: int) -> str:
@@ -108,6 +107,11 @@ def step_phases(tr: Trace, attr: str = "cpu") -> list[dict[str, float]]:
         row["rest"] = total - row["forward"] - row["backward"] - row["optimizer"]
         rows.append(row)
     return rows
+
+
+def step_faults(tr: Trace) -> list[int | None]:
+    """Minor page faults of each "step" span of a rank's trace, in order (the process's, all threads)."""
+    return [s.faults for s in sorted(tr.spans, key=lambda s: s.start) if s.kind == COMPUTE and s.name == "step"]
 
 
 def median_phases(per_rank: Sequence[Sequence[dict[str, float]]], warmup: int = 0) -> dict[str, float]:

@@ -161,7 +161,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     seq_len = cfg.seq_len or models.MODEL_PRESETS[cfg.model].block_size
     tracer = trace.Tracer(rank=rank, strategy=cfg.strategy)
     tracker = _memory_tracker(cfg, device)
-    losses, step_times, page_faults, allocations = [], [], [], []  # the last two: phases.py
+    losses, step_times, allocations = [], [], []  # allocations: per step, what the tracker saw (phases.py)
     # torch's strategies do not go through minifsdp.comm: count their collectives here (DTensor's too)
     counter = (torch_reference.count_collectives(pipelining="pp" in record.degrees) if record.is_torch
                else nullcontext())
@@ -187,7 +187,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         first = checkpointer.resume()  # --resume: the step to run next (its data position), else 0
         for step in range(first, cfg.steps):
             faults.inject(step)  # MINIFSDP_FAULT=RANK:MODE:STEP fails a rank on purpose (lab 12's gallery)
-            start, faults_before = time.perf_counter(), phases.minor_faults()
+            start = time.perf_counter()
             with trace.span("step", step=step):
                 local = torch.zeros((), device=device)
                 for m in range(cfg.grad_accum):
@@ -215,7 +215,6 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
-            page_faults.append(None if faults_before is None else phases.minor_faults() - faults_before)
             losses.append(_global_mean(local))
             if tracker is not None:
                 tracker.snapshot(f"step {step}")
@@ -224,8 +223,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
                 _progress(step, cfg.steps, losses[-1], step_times[-1])
             checkpointer.maybe_save(step + 1)  # --save-every: after the step, outside its span
     report = tracker.report() if tracker is not None else {}
-    return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace, "minor_faults": page_faults,
-            "allocations": allocations,
+    return {"rank": rank, "losses": losses, "step_time_s": step_times, "trace": tracer.trace, "allocations": allocations,
             "memory": report, "n_params": n_params, "routing": routing.totals(), "first_step": first}
 
 
@@ -301,10 +299,9 @@ def write_outputs(cfg: TrainConfig, results: list[dict[str, Any]]) -> dict[str, 
         "losses": results[0]["losses"], "first_step": results[0]["first_step"],  # --resume: losses from there
         "step_time_s": [r["step_time_s"] for r in results],
         "median_step_time_s": [statistics.median(r["step_time_s"]) for r in results],
-        "minor_faults": [r["minor_faults"] for r in results],  # per rank, per step (trace.minor_faults)
+        "minor_faults": [phases.step_faults(t) for t in traces],  # per rank, per step (getrusage; None on Windows)
         "phases": [phases.step_phases(t) for t in traces],  # per rank, per step: seconds by phase
         "allocated_by_class": [[phases.size_classes(a) for a in r["allocations"]] for r in results],
-        "large_allocations": [[[b for b in a if b[0] >= phases.LARGE] for a in r["allocations"]] for r in results],
         "peak_bytes": [r["memory"].get("peak_total") for r in results],
         "peak_by_category": [r["memory"].get("peak_by_category") for r in results],
         "bytes_per_step": [{op: b / cfg.steps for op, b in t.bytes_by_op(within="step").items()} for t in traces],

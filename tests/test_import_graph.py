@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("leaves", {"models", "data", "estimate", "planner", "parallel_bytes", "layout", "step_time"}),
     ("techniques", {"ddp", "zero", "fsdp", "mixed_precision", "checkpoint", "pipeline", "tensor_parallel", "mesh",
                     "context_parallel", "expert_parallel"}),
-    ("front", {"train", "bench", "bench_report", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
+    ("front", {"train", "bench", "bench_report", "bench_sides", "demo", "plot", "labcheck", "widgets", "torch_reference", "__main__", "records",
                "strategies", "calibrate", "save_resume"}),
 ]
 

@@ -289,8 +289,7 @@ class PipelineStage:
         if sync:
             _prepare_for_backward(self._ddp)
             torch.autograd.backward(params, grads)
-        # only now: W's layers may have saved views of the input, and the last layer's output gradient
-        # that I handed over can be the received gradient itself
+        # only now: W's layers may view the input; I's last output gradient can be the received one itself
         self._give_back(_ACT, mb)
         self._give_back(_GRAD, mb)
 
@@ -376,12 +375,9 @@ class PipelineStage:
         return comm.irecv(buf, src, group=self.group, tag=tag) if async_op else comm.recv(buf, src, self.group, tag)
 
     def _recv_buffer(self, kind: int, mb: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Micro-batch ``mb``'s receive buffer: a free one left by an earlier micro-batch or step, else a new one.
-
-        Reused, not made per receive (torch's PipelineStage also allocates its receive buffers once): a new
-        large tensor per micro-batch is a block glibc may map, and the process fault in again, every step. A
-        buffer is free again once its micro-batch's backward is done with it (``_give_back``), so no more are
-        alive at once than when each receive made its own: the peak stays where it was."""
+        """Micro-batch ``mb``'s receive buffer: a free one from an earlier micro-batch or step, else a new one.
+        Reused as torch's PipelineStage does (a new block per receive is mapped and faulted in every step);
+        free again after its backward (``_give_back``): no more alive at once than before, the same peak."""
         free = self._free[kind]
         i = next((i for i, b in enumerate(free) if b.dtype == dtype and tuple(b.shape) == shape), None)
         buf = torch.empty(shape, dtype=dtype, device=self.device) if i is None else free.pop(i)
