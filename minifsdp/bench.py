@@ -27,9 +27,9 @@ the reference, torch's in every pair but ``fsdp2:fsdp``):
 * ``--malloc both`` runs every timing run twice, unpinned (as users run) and pinned: the table gets the
   pinned ratio beside the unpinned one. Each run's minor page faults per step (``trace.minor_faults``,
   getrusage) are a column too.
-* ``--compute`` (data-parallel pairs): a third side, ``COMPUTE``, every rank training its share of the
-  batch alone with no collectives (strategy single on each rank); the table divides each side's step by
-  it, how far above the floor of its own compute each implementation is.
+* ``--compute`` (fp32 data-parallel pairs): a third side, ``COMPUTE``, every rank training its share of
+  the batch alone with no collectives (strategy single on each rank, checkpointed as ours is); the table
+  divides each side's step by it, how far above the floor of its own compute each implementation is.
 * ``--phases`` (``phases.py``): per side, the median milliseconds of forward, backward, comm wait (the
   main thread off the CPU: blocked in a wait or a blocking collective), optimizer and the rest, page
   faults per step, and what its third step allocated by size class (the memory tracker's run).
@@ -115,11 +115,16 @@ COMPUTE = "compute"
 
 def _config(cfg: BenchConfig, side: Side | str, world_size: int, track_memory: bool, steps: int,
             out: str) -> TrainConfig:
-    """The trainer's config for one run of ``side`` (``COMPUTE``: single, with ``world_size`` ranks to launch)."""
-    parsed = Side.parse("single" if side == COMPUTE else side) if not isinstance(side, Side) else side
+    """The trainer's config for one run of ``side`` (``COMPUTE[#checkpoint]``: single, ``world_size`` ranks)."""
+    compute = _is_compute(side)
+    parsed = side if isinstance(side, Side) else Side.parse("single" + side[len(COMPUTE):] if compute else side)
     tc = parsed.train_config(cfg.model, world_size, cfg.batch_size, steps=steps, quiet=True, out=out,
                              track_memory=track_memory, write_plots=False)
-    return dataclasses.replace(tc, world_size=world_size) if side == COMPUTE else tc
+    return dataclasses.replace(tc, world_size=world_size) if compute else tc
+
+
+def _is_compute(side: Side | str) -> bool:
+    return isinstance(side, str) and side.partition("#")[0] == COMPUTE
 
 
 @contextlib.contextmanager
@@ -138,7 +143,7 @@ def _run(cfg: BenchConfig, side: Side | str, world_size: int, track_memory: bool
          pinned: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, _malloc(pinned):
         tc = _config(cfg, side, world_size, track_memory, steps, tmp)
-        if side == COMPUTE:  # single on every rank: its data slice (rank, world) and nothing else
+        if _is_compute(side):  # single on every rank: its data slice (rank, world) and nothing else
             return write_outputs(tc, launch(run_rank, world_size, tc, timeout=tc.timeout))
         return train(tc)
 
@@ -181,8 +186,10 @@ def expected_bytes(model_name: str, side: str | Side, world_size: int, batch_siz
 def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size: int) -> dict[str, Any]:
     parsed: dict[str, Side | str] = {ours_side.text: ours_side, theirs_side.text: theirs_side}
     ours, theirs = ours_side.text, theirs_side.text
-    if cfg.compute and _data_parallel(ours_side, theirs_side):
-        parsed[COMPUTE] = COMPUTE
+    compute = COMPUTE + ("" if ours_side.checkpoint == "none" else "#" + ours_side.checkpoint)  # the same recompute
+    if cfg.compute and _data_parallel(ours_side, theirs_side) and (ours_side.precision, ours_side.autocast) == \
+            ("fp32", False):  # (no floor for 16-bit sides: single trains in fp32)
+        parsed[compute] = compute
     modes = cfg.malloc_modes()
     times: dict[bool, dict[str, list[float]]] = {m: {k: [] for k in parsed} for m in modes}
     faults: dict[bool, dict[str, list[float]]] = {m: {k: [] for k in parsed} for m in modes}
@@ -216,13 +223,13 @@ def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size:
         row["step_s_pinned"] = {k: median(v) for k, v in times[True].items()}
         row["faults_per_step_pinned"] = {k: median(v) if v else None for k, v in faults[True].items()}
         row["step_ratio_pinned"] = row["step_s_pinned"][ours] / row["step_s_pinned"][theirs]
-    if COMPUTE in parsed:  # how far above the compute-only floor each side's step is
-        row["over_compute"] = {k: row["step_s"][k] / row["step_s"][COMPUTE] for k in (ours, theirs)}
+    if compute in parsed:  # how far above the compute-only floor each side's step is
+        row["over_compute"] = {k: row["step_s"][k] / row["step_s"][compute] for k in (ours, theirs)}
     if cfg.phases:
         row["phases"] = {k: {p: median(r[p] for r in v) for p in phases.PHASES} for k, v in split.items() if v}
     if cfg.calibration:  # torch's side moves and computes what ours does: the same model, its own record
         row["predicted_s"] = {k: calibrate.predicted_seconds(s.train_config(cfg.model, world_size, cfg.batch_size),
-                                                             cfg.calibration) for k, s in parsed.items() if k != COMPUTE}
+                                                             cfg.calibration) for k, s in parsed.items() if k != compute}
     row["same_losses"] = all(math.isclose(a, b, rel_tol=ours_side.loss_rtol)
                              for a, b in zip(losses[ours], losses[theirs]))
     expected = expected_bytes(cfg.model, ours_side, world_size, cfg.batch_size)
