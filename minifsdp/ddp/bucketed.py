@@ -125,8 +125,8 @@ class BucketedDataParallel(nn.Module):
 
     1. a post-accumulate-grad hook fires as each ``p.grad`` is final; the
        first one queues ``_finalize_backward`` to run when backward ends;
-    2. when a bucket's last gradient arrives, its gradients are packed into
-       the flat buffer, divided by N, and ``all_reduce(async_op=True)`` starts
+    2. each gradient is copied into its slot of the flat buffer, divided by N,
+       as it arrives; when a bucket's last one arrives ``all_reduce(async_op=True)`` starts
        while backward goes on computing earlier layers. Buckets start strictly
        in index order, so every rank issues the collectives in the same order
        even if hooks fire in another;
@@ -198,6 +198,7 @@ class BucketedDataParallel(nn.Module):
         layout = bucket_assignment(self._params, bucket_cap_mb or DEFAULT_BUCKET_CAP_MB, first_mb)
         self.buckets: list[Bucket] = []
         self._bucket_of = [0] * len(self._params)             # parameter i -> its bucket
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._views: list[torch.Tensor] = [None] * len(self._params)  # parameter i -> its slice of the bucket
         for b, indices in enumerate(layout):
             ps = [self._params[i] for i in indices]
@@ -250,6 +251,7 @@ class BucketedDataParallel(nn.Module):
                                "one backward (reentrant checkpointing or a second backward through the same "
                                "graph?); use non-reentrant checkpointing (use_reentrant=False)")
         self._ready[i] = True
+        self._pack_one(i)  # into its slot now: the copy overlaps the gradients still being computed
         bucket = self.buckets[self._bucket_of[i]]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -263,11 +265,19 @@ class BucketedDataParallel(nn.Module):
             bk.handle = comm.all_reduce(bk.buffer, group=self.process_group, async_op=True)
             self._next_bucket += 1
 
+    def _pack_one(self, i: int) -> None:
+        """Parameter i's gradient into its bucket slot, divided by N: the sum of the grad / N is the average
+        (torch's Reducer also copies each gradient as it arrives, dividing first). One pass over memory."""
+        p, view = self._params[i], self._views[i]
+        torch.mul(p.grad, 1.0 / self._world, out=view) if p.grad is not None else view.zero_()
+
     def _pack(self, bk: Bucket) -> None:
-        """Gradients into the flat buffer, each divided by N: the sum of the grad / N is the average
-        (torch's reducer divides first too). Copy and scale in one pass over memory."""
-        for p, view in zip(bk.params, bk.views):
-            torch.mul(p.grad, 1.0 / self._world, out=view) if p.grad is not None else view.zero_()
+        """Before the bucket's all-reduce: the slots of parameters whose gradient never came (a subclass's
+        find_unused_parameters sends their bucket anyway); the others were packed as they arrived."""
+        for p in bk.params:
+            i = self._index[id(p)]
+            if not self._ready[i]:
+                self._pack_one(i)
 
     # -- backward: the end -----------------------------------------------------------
     @torch.no_grad()

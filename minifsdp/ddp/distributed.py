@@ -129,6 +129,10 @@ class DistributedDataParallel(BucketedDataParallel):
             view.copy_(p.grad)
             p.grad = view
 
+    def _pack_one(self, i: int) -> None:
+        if not self.gradient_as_bucket_view:  # with it the gradient is in its slot already: _pack scales the bucket
+            super()._pack_one(i)
+
     def _pack(self, bk: Bucket) -> None:
         if not self.gradient_as_bucket_view:
             return super()._pack(bk)
