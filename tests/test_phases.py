@@ -9,7 +9,6 @@
 """
 
 import json
-import statistics
 
 import pytest
 
@@ -53,9 +52,9 @@ def test_phases_add_up_to_the_step(side, tmp_path):
             assert set(row) == set(phases.PHASES)
             assert min(row.values()) >= -1e-4, (rank, step, row)  # nothing counted twice
             assert row["forward"] > 0 and row["backward"] > 0, (rank, step, row)  # both found, torch's schedule too
-        # after the first step, the median step: a preempted millisecond between two timers is 5 % of gpt-tiny's
-        sums = statistics.median(sum(row.values()) for row in rows[1:])
-        assert sums == pytest.approx(statistics.median(times[1:]), rel=0.05), (rank, rows, times)
+        # steps 2-4 together: a rank preempted for a millisecond between the two timers is 5 % of one gpt-tiny step
+        phased = sum(sum(row.values()) for row in rows[1:])
+        assert phased == pytest.approx(sum(times[1:]), rel=0.05), (rank, rows, times)
     assert all(f is None or f >= 0 for faults in m["minor_faults"] for f in faults)
 
 
