@@ -579,3 +579,19 @@ def test_fp16_reduce_and_broadcast_match_fairscale():
         _assert_same_params(p_ours, p_theirs, atol=0)
         assert moved == {"reduce": STEPS * psi // 2, "broadcast": STEPS * psi // 2}
         assert any(not torch.equal(p_ours[k], full[k]) for k in full)  # the fp16 rounding did happen
+
+
+def _fp16_broadcast_worker(buffer_size):
+    module = _build("gpt-tiny")
+    opt = OSS(module.parameters(), torch.optim.AdamW, broadcast_fp16=True, broadcast_buffer_size=buffer_size, lr=LR)
+    _loss("gpt-tiny", module, *_batch("gpt-tiny", 0)).backward()
+    with trace.Tracer() as tracer:
+        opt.step()
+    return tracer.trace.bytes_by_op()
+
+
+@pytest.mark.parametrize("buffer_size", [0, 2**20])  # every parameter alone, or packed into flat buckets
+def test_broadcast_fp16_halves_the_bytes_however_parameters_are_bucketed(buffer_size):
+    psi = sum(p.numel() for p in _build("gpt-tiny").parameters()) * 4
+    for moved in launch(_fp16_broadcast_worker, 2, buffer_size, timeout=120):
+        assert moved == {"broadcast": psi // 2}

@@ -195,9 +195,9 @@ class OSS(torch.optim.Optimizer):
         if self.world_size == 1:
             return
         in_flight = []
-        for src, flat, bucket in self._flat_buckets:
-            if flat is not None or len(bucket) == 1:  # a flat bucket (its params view it) or a big parameter:
-                target = bucket[0].data if flat is None else flat  # in place, no copy
+        for src, flat, bucket, half in self._flat_buckets:
+            if not half:  # in place, no copy: the flat its small parameters view, or one big parameter
+                target = bucket[0].data if flat is None else flat
                 in_flight.append((comm.broadcast(target, src, self.group, async_op=True), None, None))
                 continue
             flat = torch.cat([p.data.reshape(-1) for p in bucket]).half()  # broadcast_fp16: P/2 bytes
@@ -210,8 +210,8 @@ class OSS(torch.optim.Optimizer):
                     p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def _make_flat_buckets(self) -> list[tuple[int, torch.Tensor | None, list[torch.Tensor]]]:
-        """(source rank, flat buffer or None, parameters) per broadcast, in the same order on every rank.
+    def _make_flat_buckets(self) -> list[tuple[int, torch.Tensor | None, list[torch.Tensor], bool]]:
+        """(source rank, flat buffer or None, parameters, as fp16?) per broadcast, the same order on every rank.
 
         A bucket of small parameters gets one flat buffer, made here once, and its parameters become views
         of it (FairScale's ``ParamBucket``): the broadcast then fills them in place, with no concatenation
@@ -230,7 +230,7 @@ class OSS(torch.optim.Optimizer):
                     for p in bucket:
                         p.data = flat[offset:offset + p.numel()].view_as(p)
                         offset += p.numel()
-                out.append((src, flat, bucket))
+                out.append((src, flat, bucket, half))
         return out
 
     def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
