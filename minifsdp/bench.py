@@ -154,8 +154,7 @@ def _data_parallel(*sides: Side) -> bool:
 
 def _median_step(metrics: dict[str, Any], warmup: int) -> float:
     """Median over steps after warm-up of the slowest rank's step time (a step ends when all ranks do)."""
-    per_step = [max(times) for times in zip(*metrics["step_time_s"])]
-    return statistics.median(per_step[warmup:] or per_step)
+    return phases.median_over_steps(metrics["step_time_s"], warmup, max)
 
 
 # --------------------------------------------------------------------------
@@ -204,8 +203,9 @@ def bench_pair(cfg: BenchConfig, ours_side: Side, theirs_side: Side, world_size:
                 times[pinned][side].append(_median_step(m, cfg.warmup))
                 f = phases.median_faults(m.get("minor_faults") or [], cfg.warmup)
                 faults[pinned][side] += [] if f is None else [f]
-                if pinned == modes[0] and phases.median_phases(m.get("phases") or []):
-                    split[side].append(phases.median_phases(m["phases"], cfg.warmup))
+                run_phases = phases.median_phases(m.get("phases") or [], cfg.warmup)
+                if pinned == modes[0] and run_phases:
+                    split[side].append(run_phases)
                 # bytes: rank 0 of the first run (every run moves the same); torch's are counted too
                 moved.setdefault(side, sum(m["bytes_per_step"][0].values()))
                 losses.setdefault(side, m["losses"])

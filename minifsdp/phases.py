@@ -40,7 +40,7 @@ Read first: ``trace.py`` (spans), ``memory.py`` (the tracker's allocation log); 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .trace import COMPUTE, Span, Trace
 
@@ -71,66 +71,70 @@ def size_classes(allocations: Sequence[tuple[int, str]]) -> dict[str, int]:
 # One step's phases from a trace
 # --------------------------------------------------------------------------
 
-def _exclusive(spans: list[Span], attr: str) -> list[tuple[Span, float]]:
-    """Each phase span with its ``attr`` (cpu seconds, faults) less that of phase spans nested inside it
-    (spans of one thread nest properly: a pipeline's "forward" inside its "forward_backward")."""
+def _exclusive(spans: list[Span]) -> list[tuple[Span, float]]:
+    """Each phase span with its CPU seconds less those of phase spans nested inside it (spans of one
+    thread nest properly: a pipeline's "forward" inside its "forward_backward")."""
     ordered = sorted(spans, key=lambda s: (s.start, -s.end))
-    own = {id(s): getattr(s, attr) or 0 for s in ordered}
+    own = {id(s): s.cpu or 0.0 for s in ordered}
     stack: list[Span] = []
     for s in ordered:
         while stack and stack[-1].end <= s.start:
             stack.pop()
         if stack and s.end <= stack[-1].end:  # the innermost span around s pays it back
-            own[id(stack[-1])] -= getattr(s, attr) or 0
+            own[id(stack[-1])] -= s.cpu or 0.0
         stack.append(s)
     return [(s, own[id(s)]) for s in ordered]
 
 
-def step_phases(tr: Trace, attr: str = "cpu") -> list[dict[str, float]]:
-    """Per "step" span of a rank's trace, in order: seconds per phase (they add up to the step's wall
-    time), or with ``attr="faults"`` minor page faults per phase ("comm wait" 0: faults are counted for
-    the whole process, so the ones while the main thread waits land in the phase it waits in). Empty for
-    a trace without them (recorded before spans had them, or without getrusage)."""
-    compute = [s for s in tr.spans if s.kind == COMPUTE]
-    steps = sorted((s for s in compute if s.name == "step"), key=lambda s: s.start)
-    if any(getattr(s, attr) is None for s in steps):
+def _steps(tr: Trace) -> list[Span]:
+    return sorted((s for s in tr.spans if s.kind == COMPUTE and s.name == "step"), key=lambda s: s.start)
+
+
+def step_phases(tr: Trace) -> list[dict[str, float]]:
+    """Per "step" span of a rank's trace, in order: seconds per phase, adding up to the step's wall time.
+    Empty for a trace without CPU times (recorded before spans had them)."""
+    steps = _steps(tr)
+    if any(s.cpu is None for s in steps):
         return []
     rows = []
     for st in steps:
-        inside = [s for s in compute if s.name in PHASE_OF_SPAN and st.start <= s.start and s.end <= st.end]
+        inside = [s for s in tr.spans if s.kind == COMPUTE and s.name in PHASE_OF_SPAN
+                  and st.start <= s.start and s.end <= st.end]
         row = dict.fromkeys(PHASES, 0.0)
-        for s, own in _exclusive(inside, attr):
+        for s, own in _exclusive(inside):
             row[PHASE_OF_SPAN[s.name]] += own
-        total = getattr(st, attr)
-        if attr == "cpu":
-            row["comm wait"] = st.duration - total
-        row["rest"] = total - row["forward"] - row["backward"] - row["optimizer"]
+        row["comm wait"] = st.duration - st.cpu
+        row["rest"] = st.cpu - row["forward"] - row["backward"] - row["optimizer"]
         rows.append(row)
     return rows
 
 
 def step_faults(tr: Trace) -> list[int | None]:
     """Minor page faults of each "step" span of a rank's trace, in order (the process's, all threads)."""
-    return [s.faults for s in sorted(tr.spans, key=lambda s: s.start) if s.kind == COMPUTE and s.name == "step"]
+    return [s.faults for s in _steps(tr)]
+
+
+def median_over_steps(per_rank: Sequence[Sequence[float]], warmup: int = 0,
+                      combine: Callable[[Sequence[float]], float] = statistics.fmean) -> float:
+    """The median over steps after ``warmup`` of ``combine`` (the mean; bench's step time: max) of the
+    ranks' values for that step: ``[[10, 3, 5], [20, 5, 7]]``, warmup 1 -> median(4, 6) = 5."""
+    steps = list(zip(*per_rank))
+    return statistics.median(combine(values) for values in steps[warmup:] or steps)
 
 
 def median_phases(per_rank: Sequence[Sequence[dict[str, float]]], warmup: int = 0) -> dict[str, float]:
-    """Per phase, the median over steps after ``warmup`` of the mean over ranks: ``per_rank`` holds each
-    rank's ``step_phases`` (train's metrics["phases"]); {} if a rank has none."""
+    """``median_over_steps`` of each phase: ``per_rank`` holds each rank's ``step_phases`` (train's
+    metrics["phases"]); {} if a rank has none."""
     if not per_rank or not all(per_rank):
         return {}
-    steps = list(zip(*per_rank))
-    steps = steps[warmup:] or steps
-    return {p: statistics.median(sum(r[p] for r in ranks) / len(ranks) for ranks in steps) for p in PHASES}
+    return {p: median_over_steps([[row[p] for row in rows] for rows in per_rank], warmup) for p in PHASES}
 
 
 def median_faults(faults_by_rank: Sequence[Sequence[int | None]], warmup: int = 0) -> float | None:
-    """Minor page faults per step: the median over steps after ``warmup`` of the mean over ranks."""
+    """Minor page faults per step (``median_over_steps``); None without getrusage."""
     if not faults_by_rank or any(f is None for r in faults_by_rank for f in r):
         return None
-    steps = list(zip(*faults_by_rank))
-    steps = steps[warmup:] or steps
-    return statistics.median(sum(s) / len(s) for s in steps)
+    return median_over_steps(faults_by_rank, warmup)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

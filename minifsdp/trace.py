@@ -170,10 +170,9 @@ class Tracer:
                 record.faults = None if faults is None else minor_faults() - faults
                 self.trace.spans.append(record)
 
-    def add_span(self, name: str, kind: str, start: float, end: float, *, cpu: float | None = None,
-                 **args: Any) -> Span:
+    def add_span(self, name: str, kind: str, start: float, end: float, **args: Any) -> Span:
         """Record a span whose times were measured elsewhere (e.g. async comm)."""
-        record = Span(name=name, kind=kind, start=start, end=end, args=args, cpu=cpu)
+        record = Span(name=name, kind=kind, start=start, end=end, args=args)
         self.trace.spans.append(record)
         return record
 

@@ -15,7 +15,7 @@ bring their own train step (``tensor_parallel.torch_tp_train_step``).
 from __future__ import annotations
 
 import functools
-import time
+from typing import Any
 
 import torch
 
@@ -46,18 +46,16 @@ def torch_pipeline(model: torch.nn.Module, cfg: TrainConfig, layout: Layout) -> 
 
 
 def _forward_spans(module: torch.nn.Module) -> None:
-    """Record each forward of ``module`` as a "forward" span on the active tracer: torch's schedules run
-    forward and backward inside their own ``step``, where train.py's loop cannot open spans."""
-    started: list[tuple[float, float]] = []
+    """Record each forward of ``module`` as a "forward" span (``trace.span``, entered and left by hooks):
+    torch's schedules run forward and backward inside their own ``step``, where train.py cannot open spans."""
+    open_spans: list[Any] = []
 
     def before(*_: object) -> None:
-        started.append((time.perf_counter(), time.thread_time()))
+        open_spans.append(trace.span("forward"))
+        open_spans[-1].__enter__()
 
     def after(*_: object) -> None:
-        start, cpu = started.pop()
-        tracer = trace.active_tracer()
-        if tracer is not None:
-            tracer.add_span("forward", trace.COMPUTE, start, time.perf_counter(), cpu=time.thread_time() - cpu)
+        open_spans.pop().__exit__(None, None, None)
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
